@@ -1,0 +1,120 @@
+"""The one place that knows how JAX's IR types differ between versions.
+
+JAX 0.10 has separate ``ClosedJaxpr`` (a ``Jaxpr`` plus ``consts``) and ``Jaxpr``.
+JAX 0.11 merged them: ``ClosedJaxpr`` is an alias of ``Jaxpr``, which carries its own
+``consts`` and whose ``.jaxpr`` returns itself. Several ``jax.core`` names moved to
+``jax.extend.core``. Everything else in jmp_rewrite goes through the helpers here, so a
+JAX upgrade touches this file only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import numpy as np
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+JaxprEqn = jex_core.JaxprEqn
+Literal = jex_core.Literal
+Var = jex_core.Var
+DropVar = jex_core.DropVar
+Primitive = jex_core.Primitive
+primitives = jex_core.primitives
+
+#: True on JAX >= 0.11, where ``ClosedJaxpr is Jaxpr``.
+MERGED_JAXPR_TYPES: bool = ClosedJaxpr is Jaxpr
+
+
+def is_closed_jaxpr(value: Any) -> bool:
+    """Whether ``value`` is a jaxpr that carries its consts (a ``ClosedJaxpr`` in 0.10)."""
+    if MERGED_JAXPR_TYPES:
+        return False  # one type only: treated as an open jaxpr with its own consts
+    return isinstance(value, ClosedJaxpr)
+
+
+def is_open_jaxpr(value: Any) -> bool:
+    """Whether ``value`` is a bare ``Jaxpr`` (``checkpoint`` and ``shard_map`` hold one)."""
+    return isinstance(value, Jaxpr) and not is_closed_jaxpr(value)
+
+
+def is_any_jaxpr(value: Any) -> bool:
+    return is_closed_jaxpr(value) or is_open_jaxpr(value)
+
+
+def open_jaxpr(value: Any) -> Any:
+    """The bare jaxpr (eqns, invars, constvars, outvars) of a closed or open jaxpr."""
+    return value.jaxpr if is_closed_jaxpr(value) else value
+
+
+def consts_of(value: Any) -> list[Any]:
+    """The const values bound to a jaxpr's constvars (empty for an open 0.10 jaxpr)."""
+    if is_closed_jaxpr(value):
+        return list(value.consts)
+    return list(getattr(value, "consts", ()) or ())
+
+
+def make_closed(jaxpr: Any, consts: list[Any]) -> Any:
+    """A closed jaxpr from a bare one and its consts."""
+    if MERGED_JAXPR_TYPES:  # pragma: no cover - JAX >= 0.11
+        if not consts:
+            return jaxpr
+        return ClosedJaxpr(jaxpr, consts)
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def var_aval(atom: Any) -> Any:
+    return atom.aval
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    return atom.val
+
+
+def is_drop_var(atom: Any) -> bool:
+    return isinstance(atom, DropVar)
+
+
+def name_stack(eqn: Any) -> str:
+    """The name-stack string of an equation (``jax.named_scope`` names live here)."""
+    info = getattr(eqn, "source_info", None)
+    return str(getattr(info, "name_stack", "")) if info is not None else ""
+
+
+def bind_params(eqn: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """``get_bind_params`` across versions: always returns the dict to pass to ``bind``."""
+    result = eqn.primitive.get_bind_params(params)
+    if isinstance(result, tuple):  # JAX < 0.9.2 returned (subfuns, params)
+        subfuns, result = result
+        if subfuns:
+            raise NotImplementedError(
+                f"primitive {eqn.primitive.name!r} needs sub-functions, which this JAX "
+                "version passes positionally; upgrade to jax>=0.10.2"
+            )
+    return result
+
+
+def eval_jaxpr(jaxpr: Any, *args: Any) -> list[Any]:
+    """Evaluates a closed (or const-free open) jaxpr on ``args``."""
+    return list(jex_core.jaxpr_as_fun(_as_closed(jaxpr))(*args))
+
+
+def _as_closed(value: Any) -> Any:
+    if is_closed_jaxpr(value):
+        return value
+    return make_closed(value, consts_of(value))
+
+
+def to_numpy_dtype(value: Any, dtype: Any) -> Any:
+    """A literal's value converted to ``dtype`` (kept as a NumPy scalar or array)."""
+    return np.asarray(value, dtype=dtype)
+
+
+def dtype_of(x: Any) -> Any:
+    return jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
