@@ -58,11 +58,31 @@ def consts_of(value: Any) -> list[Any]:
 
 def make_closed(jaxpr: Any, consts: list[Any]) -> Any:
     """A closed jaxpr from a bare one and its consts."""
-    if MERGED_JAXPR_TYPES:  # pragma: no cover - JAX >= 0.11
-        if not consts:
-            return jaxpr
-        return ClosedJaxpr(jaxpr, consts)
+    if MERGED_JAXPR_TYPES:  # pragma: no cover - JAX >= 0.11: a Jaxpr holds its consts
+        if list(consts) != list(consts_of(jaxpr)):
+            raise NotImplementedError("re-closing a jaxpr over new consts on JAX >= 0.11")
+        return jaxpr
     return ClosedJaxpr(jaxpr, consts)
+
+
+def same_form(original: Any, closed: Any, eqn_name: str) -> Any:
+    """``closed`` (fresh from ``jax.make_jaxpr``) in the form ``original`` had in a param."""
+    if MERGED_JAXPR_TYPES or is_closed_jaxpr(original):  # pragma: no branch
+        return closed
+    if consts_of(closed):
+        raise NotImplementedError(
+            f"rewriting the body of {eqn_name!r} created array constants, which its open "
+            "jaxpr cannot hold; please report this program"
+        )
+    return open_jaxpr(closed)
+
+
+def function_name(jaxpr: Any, default: str = "fun") -> str:
+    """The traced function's name, from the jaxpr's debug info when it has one."""
+    info = getattr(jaxpr, "debug_info", None)
+    src = getattr(info, "func_src_info", None) or getattr(info, "func_name", None)
+    name = str(src).split(" ")[0] if src else default
+    return name if name.isidentifier() else default
 
 
 def var_aval(atom: Any) -> Any:

@@ -1,0 +1,405 @@
+"""Re-emitting a painted jaxpr: TF's ``ChangeTypeAttrsAndAddCasts``, by re-interpretation.
+
+The program is evaluated equation by equation under whatever trace is current (so the result
+composes with ``jit``/``grad``/``vmap`` around it). A half-precision equation gets its float32
+inputs cast to half; any other equation gets half inputs cast back to their original dtype.
+Casts are made lazily and cached per (value, dtype), so each value is cast at most once per
+dtype, on the consumer side; float32 literals are converted in place (no cast equation).
+
+Higher-order equations are re-bound with rewritten bodies: call bodies and control-flow
+bodies take the dtypes their operands now have; loop carries, ``cond`` outputs and ``scan``
+streams take the dtype of their structural node, so carries stay type-consistent. Custom
+derivative wrappers are re-wrapped with ``jax.custom_jvp``/``jax.custom_vjp`` whose rules call
+the *original* rule in float32, so ``jax.nn.relu``'s gradient at 0 or a user's backward pass
+keep being used. Equations holding other jaxprs keep their signature and are rewritten inside
+as separate programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src.graph import (
+    CALL_BODIES,
+    SCATTER_REBUILDERS,
+    EqnRec,
+    Graph,
+    ScopeRec,
+    is_f32,
+    is_float,
+)
+from jmp_rewrite._src.paint import Painting, paint
+from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
+
+_SCATTER_FUNS = {
+    "scatter-add": lax.scatter_add,
+    "scatter-sub": getattr(lax, "scatter_sub", None),
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
+}
+_DTYPE_PARAMS = ("preferred_element_type",)
+
+
+def _avals_like(template_vars: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """ShapeDtypeStructs with the template vars' shapes and the values' dtypes/weak types."""
+    out = []
+    for var, val in zip(template_vars, values, strict=True):
+        aval, t = var.aval, jax.typeof(val)
+        out.append(jax.ShapeDtypeStruct(aval.shape, t.dtype, weak_type=t.weak_type))
+    return out
+
+
+class Emitter:
+    """Evaluates painted jaxpr scopes, inserting casts (see the module docstring)."""
+
+    def __init__(self, graph: Graph, painting: Painting, dtype: Any, options: dict[str, Any]):
+        self.graph = graph
+        self.painting = painting
+        self.half = np.dtype(dtype)
+        self.options = options
+
+    # -- dtype decisions -----------------------------------------------------------------
+
+    def _is_half(self, node: int | None) -> bool:
+        return node is not None and node in self.painting.allow
+
+    def _target(self, node: int | None, dtype: Any) -> Any:
+        """The dtype a value of original ``dtype`` takes at a node painted as ``node``."""
+        return self.half if self._is_half(node) and is_f32(dtype) else np.dtype(dtype)
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def run(self, scope: ScopeRec, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        """Evaluates one jaxpr instance on ``consts + args`` in the current trace."""
+        jaxpr = scope.jaxpr
+        env: dict[Any, Any] = {}
+        casts: dict[tuple[int, Any], Any] = {}
+        keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
+
+        for var, val in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
+            env[var] = val
+
+        def read(atom: Any, dtype: Any = None) -> Any:
+            if jc.is_literal(atom):
+                val = jc.literal_value(atom)
+                if dtype is not None and np.dtype(dtype) != np.dtype(atom.aval.dtype):
+                    return np.asarray(val, dtype=dtype)
+                return val
+            val = env[atom]
+            if dtype is None or not is_float(atom.aval.dtype):
+                return val
+            dtype = np.dtype(dtype)
+            if jnp.result_type(val) == dtype:
+                return val
+            key = (id(val), dtype)
+            if key not in casts:
+                keep.append(val)
+                casts[key] = lax.convert_element_type(val, dtype)
+            return casts[key]
+
+        for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True):
+            region = in_float32_region(jc.name_stack(eqn))
+            scope_cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else contextlib.nullcontext()
+            with scope_cm:
+                outs = self._eqn(eqn, rec, read)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not jc.is_drop_var(var):
+                    env[var] = val
+        return [read(a) for a in jaxpr.outvars]
+
+    def trace(
+        self,
+        scope: ScopeRec,
+        consts: Sequence[Any],
+        in_avals: Sequence[Any],
+        out_dtypes: Sequence[Any] | None = None,
+    ) -> Any:
+        """A closed jaxpr for ``scope`` at ``in_avals``; outputs cast to ``out_dtypes``."""
+
+        def fun(*args: Any) -> list[Any]:
+            outs = self.run(scope, consts, args)
+            if out_dtypes is not None:
+                outs = [_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
+            return outs
+
+        return jax.make_jaxpr(fun)(*in_avals)
+
+    # -- one equation ---------------------------------------------------------------------
+
+    def _eqn(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
+        if rec.kind == "leaf":
+            return self._leaf(eqn, rec.node, read)
+        if rec.kind == "opaque":
+            return self._opaque(eqn, read)
+        if rec.kind == "unit":
+            invals = [read(a, self._target(rec.node, a.aval.dtype)) for a in eqn.invars]
+            return self._call(eqn, rec, invals)
+        invals = [read(a) for a in eqn.invars]
+        if rec.kind == "call":
+            return self._call(eqn, rec, invals)
+        return getattr(self, "_" + rec.kind)(eqn, rec, invals)
+
+    def _leaf(self, eqn: Any, node: int | None, read: Any) -> list[Any]:
+        half = self._is_half(node)
+        name = eqn.primitive.name
+        if name == "convert_element_type":
+            # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
+            # float32 whose consumers are all half casts to half instead.
+            params = dict(eqn.params)
+            if half:
+                params["new_dtype"] = self.half
+            return _bind(eqn, [read(eqn.invars[0])], params)
+        invals = [read(a, self._target(node, a.aval.dtype)) for a in eqn.invars]
+        params = dict(eqn.params)
+        if half:
+            for key in _DTYPE_PARAMS:
+                if key in params and params[key] is not None and is_f32(params[key]):
+                    params[key] = self.half
+            if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
+                return [self._scatter(eqn, invals)]
+        return _bind(eqn, invals, params)
+
+    def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
+        fun = _SCATTER_FUNS.get(eqn.primitive.name)
+        if fun is None:  # pragma: no cover - graph.py only paints rebuildable scatters
+            raise NotImplementedError(f"cannot re-emit {eqn.primitive.name} in half precision")
+        p = eqn.params
+        operand, indices, updates = invals
+        return fun(
+            operand,
+            indices,
+            updates,
+            p["dimension_numbers"],
+            indices_are_sorted=p["indices_are_sorted"],
+            unique_indices=p["unique_indices"],
+            mode=p["mode"],
+        )
+
+    def _opaque(self, eqn: Any, read: Any) -> list[Any]:
+        """An equation holding jaxprs we do not see through: same signature, bodies
+        rewritten as programs of their own."""
+        invals = [read(a, a.aval.dtype) for a in eqn.invars]
+        params = {}
+        for key, value in eqn.params.items():
+            if type(value) is tuple:
+                params[key] = tuple(self._rewrite_same_signature(v) for v in value)
+            else:
+                params[key] = self._rewrite_same_signature(value)
+        return _bind(eqn, invals, params)
+
+    def _rewrite_same_signature(self, value: Any) -> Any:
+        if not jc.is_any_jaxpr(value):
+            return value
+        inner = jc.open_jaxpr(value)
+        if jc.is_open_jaxpr(value) and inner.constvars and not jc.consts_of(value):
+            return value  # constvars bound elsewhere: leave such bodies alone
+        if any(not hasattr(v.aval, "shape") for v in [*inner.invars, *inner.outvars]):
+            return value  # tokens, refs: leave such bodies alone
+        new = rewrite_closed(
+            jc.make_closed(inner, jc.consts_of(value)),
+            self.half,
+            self.graph.lists,
+            None,
+            self.options,
+        )
+        return jc.same_form(value, new, eqn_name="opaque body")
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _call(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        name = eqn.primitive.name
+        param = CALL_BODIES.get(name, "jaxpr")
+        body = eqn.params[param]
+        scope = rec.subs["body"]
+        consts = jc.consts_of(body)
+        if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
+            return self._custom(eqn, scope, consts, invals)
+        if name == "shard_map":
+            return self._shard_map(eqn, scope, invals)
+        closed = self.trace(scope, consts, _avals_like(jc.open_jaxpr(body).invars, invals))
+        return _bind(eqn, invals, {**eqn.params, param: jc.same_form(body, closed, name)})
+
+    def _custom(self, eqn: Any, scope: ScopeRec, consts: list[Any], invals: list[Any]):
+        """Re-wraps a custom derivative so its rule runs as written, in the original dtypes."""
+        orig_in = [np.dtype(a.aval.dtype) for a in eqn.invars]
+
+        def body(*args: Any) -> tuple[Any, ...]:
+            return tuple(self.run(scope, consts, args))
+
+        body.__name__ = jc.function_name(jc.open_jaxpr(eqn.params[CALL_BODIES[eqn.primitive.name]]))
+
+        def original(*args: Any) -> list[Any]:
+            return _bind(eqn, list(args), eqn.params)
+
+        def to_original(values: Sequence[Any]) -> list[Any]:
+            return [_cast(v, d) for v, d in zip(values, orig_in, strict=True)]
+
+        if eqn.primitive.name == "custom_jvp_call":
+            fun = jax.custom_jvp(body)
+
+            @fun.defjvp
+            def fun_jvp(primals, tangents):
+                out = body(*primals)
+                tangents = [
+                    t if not is_float(d) else _cast(t, d)
+                    for t, d in zip(tangents, orig_in, strict=True)
+                ]
+                _, tout = jax.jvp(original, to_original(primals), tangents)
+                return out, tuple(_cast_like(t, o) for t, o in zip(tout, out, strict=True))
+
+            return list(fun(*invals))
+
+        fun = jax.custom_vjp(body)
+        in_dtypes = [jnp.result_type(v) for v in invals]
+
+        def fwd(*primals):
+            out = body(*primals)
+            _, vjp_fn = jax.vjp(original, *to_original(primals))
+            return out, vjp_fn
+
+        def bwd(vjp_fn, cts):
+            orig_out = [np.dtype(v.aval.dtype) for v in eqn.outvars]
+            grads = vjp_fn([_cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
+            return tuple(
+                _cast(g, d) if is_float(d) else None for g, d in zip(grads, in_dtypes, strict=True)
+            )
+
+        fun.defvjp(fwd, bwd)
+        return list(fun(*invals))
+
+    def _shard_map(self, eqn: Any, scope: ScopeRec, invals: list[Any]) -> list[Any]:
+        p = eqn.params
+        axis_names = p.get("newly_manual_axes", p.get("manual_axes"))
+        kwargs: dict[str, Any] = {}
+        if axis_names is not None:
+            kwargs["axis_names"] = set(axis_names)
+        if "check_vma" in p:
+            kwargs["check_vma"] = p["check_vma"]
+        fun = jax.shard_map(
+            lambda *args: tuple(self.run(scope, [], args)),
+            mesh=p["mesh"],
+            in_specs=tuple(p["in_specs"]),
+            out_specs=tuple(p["out_specs"]),
+            **kwargs,
+        )
+        return list(fun(*invals))
+
+    # -- control flow -----------------------------------------------------------------------
+
+    def _carry_dtypes(self, nodes: list[int | None], avals: Sequence[Any]) -> list[Any]:
+        return [self._target(n, a.dtype) for n, a in zip(nodes, avals, strict=True)]
+
+    def _cond(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        out_dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
+        branches = []
+        for branch, scope in zip(eqn.params["branches"], rec.subs["branches"], strict=True):
+            inner = jc.open_jaxpr(branch)
+            branches.append(
+                self.trace(
+                    scope, jc.consts_of(branch), _avals_like(inner.invars, invals[1:]), out_dtypes
+                )
+            )
+        return _bind(eqn, invals, {**eqn.params, "branches": tuple(branches)})
+
+    def _while(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        carry_avals = [v.aval for v in eqn.invars[nc + nb :]]
+        dtypes = self._carry_dtypes(rec.carries, carry_avals)
+        init = [_cast(v, d) for v, d in zip(invals[nc + nb :], dtypes, strict=True)]
+        cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
+        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
+        cond = self.trace(
+            rec.subs["cond"],
+            jc.consts_of(cj),
+            _avals_like(jc.open_jaxpr(cj).invars, cconsts + init),
+        )
+        body = self.trace(
+            rec.subs["body"],
+            jc.consts_of(bj),
+            _avals_like(jc.open_jaxpr(bj).invars, bconsts + init),
+            dtypes,
+        )
+        return _bind(eqn, cconsts + bconsts + init, {**p, "cond_jaxpr": cond, "body_jaxpr": body})
+
+    def _scan(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        p = eqn.params
+        nconst, ncarry = p["num_consts"], p["num_carry"]
+        body = p["jaxpr"]
+        inner = jc.open_jaxpr(body)
+        carry_dtypes = self._carry_dtypes(
+            rec.carries, [v.aval for v in eqn.invars[nconst : nconst + ncarry]]
+        )
+        x_dtypes = self._carry_dtypes(rec.xs, [v.aval for v in eqn.invars[nconst + ncarry :]])
+        y_dtypes = self._carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[ncarry:]])
+        consts = invals[:nconst]
+        init = [
+            _cast(v, d) for v, d in zip(invals[nconst : nconst + ncarry], carry_dtypes, strict=True)
+        ]
+        xs = [_cast(v, d) for v, d in zip(invals[nconst + ncarry :], x_dtypes, strict=True)]
+        x_slices = [
+            jax.ShapeDtypeStruct(a.shape, d)
+            for a, d in zip(
+                [v.aval for v in inner.invars[nconst + ncarry :]], x_dtypes, strict=True
+            )
+        ]
+        in_avals = _avals_like(inner.invars[: nconst + ncarry], consts + init) + x_slices
+        new_body = self.trace(
+            rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes
+        )
+        return _bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
+
+
+def _cast(value: Any, dtype: Any) -> Any:
+    if not is_float(dtype) or not is_float(jnp.result_type(value)):
+        return value
+    if jnp.result_type(value) == np.dtype(dtype):
+        return value
+    return lax.convert_element_type(value, dtype)
+
+
+def _cast_like(value: Any, like: Any) -> Any:
+    return _cast(value, jnp.result_type(like))
+
+
+def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    out = eqn.primitive.bind(*invals, **jc.bind_params(eqn, params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def rewrite_closed(
+    closed: Any,
+    dtype: Any,
+    lists: Any,
+    out_dtypes: Sequence[Any] | None,
+    options: dict[str, Any],
+    n_consts: int = 0,
+) -> Any:
+    """Paints and re-emits a closed jaxpr at its own input avals (a new closed jaxpr)."""
+    graph = Graph(closed, lists)
+    painting = paint(
+        graph,
+        infer_follows_allow=options.get("infer_follows_allow", True),
+        force_all=options.get("force_all", False),
+    )
+    if not painting.changed:
+        return closed
+    emitter = Emitter(graph, painting, dtype, options)
+    inner = jc.open_jaxpr(closed)
+    in_avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in inner.invars
+    ]
+    consts = jc.consts_of(closed)
+    if out_dtypes is None:
+        out_dtypes = [np.dtype(v.aval.dtype) for v in inner.outvars]
+    return emitter.trace(graph.top, consts, in_avals, out_dtypes)

@@ -1,0 +1,389 @@
+"""The painting graph: a jaxpr's dataflow seen the way TF's grappler pass sees a GraphDef.
+
+TF paints *(node, type attribute)* vertices of one flat graph. A jaxpr is a tree of jaxprs:
+calls (``jit``, ``closed_call``, ``checkpoint``, custom derivative wrappers, ``shard_map``)
+and control flow (``cond``, ``while``, ``scan``) hold sub-jaxprs. JAX wraps even
+``jnp.where`` and ``jnp.clip`` in ``jit``, so treating calls as opaque would stop almost all
+propagation. The graph built here is therefore *flat*:
+
+* every leaf equation is a node (one colour per equation: in JAX nearly every primitive has one
+  float type, unlike TF ops with separate ``T``/``U`` attributes);
+* call bodies are inlined: an inner invar is the outer value itself;
+* a loop carry (``while``/``scan``) is one *clear* node joining its initial value, the body's
+  result and every reader: TF's Enter/Merge/Switch/NextIteration/Exit chain collapsed to one
+  vertex, so TF's recurrent colour match holds by construction;
+* each ``cond`` output is a *clear* node (TF's Merge) fed by every branch;
+* each ``scan`` ``xs``/``ys`` stream is a *clear* node (TF's TensorList writer->reader edge);
+* a ``jit`` whose name is on a list (``jit:log_softmax``...) is one node: TF's fused op;
+* other equations holding jaxprs are opaque *unlisted* nodes, rewritten inside separately.
+
+Edges carry floating-point values only: TF's int/bool ports are separate vertices, so a deny
+op never taints float data through a comparison's boolean output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src.regions import in_float32_region
+
+#: Call-like primitives whose body is inlined into the painting graph, and the param that
+#: holds the body.
+CALL_BODIES: dict[str, str] = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "shard_map": "jaxpr",
+}
+
+#: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
+#: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
+SCATTER_REBUILDERS = ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max")
+
+_UNIT_NAME = re.compile(r"^(?:\w+\()*([A-Za-z_][\w]*)\)*$")
+
+
+def is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_f32(dtype: Any) -> bool:
+    return np.dtype(dtype) == np.float32
+
+
+def unit_name(jit_name: str) -> str:
+    """``transpose(jvp(log_softmax))`` -> ``log_softmax``."""
+    match = _UNIT_NAME.match(jit_name or "")
+    return match.group(1) if match else (jit_name or "")
+
+
+def op_key(eqn: Any, lists: Any) -> str:
+    """The list key of an equation: its primitive name, or a virtual key.
+
+    ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
+    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op.
+    """
+    name = eqn.primitive.name
+    if name == "integer_pow":
+        y = eqn.params["y"]
+        return "reciprocal" if y == -1 else "square" if y == 2 else "integer_pow"
+    if name in ("jit", "pjit"):
+        unit = "jit:" + unit_name(str(eqn.params.get("name", "")))
+        if lists.kind(unit) != "unlisted":
+            return unit
+    return name
+
+
+def _float_atoms(atoms: Any) -> list[Any]:
+    return [a for a in atoms if is_float(a.aval.dtype)]
+
+
+def eqn_is_float32(eqn: Any) -> bool:
+    """TF's ``IsFloat32``: every float value in or out is float32, and there is one."""
+    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]
+    return bool(dtypes) and all(is_f32(d) for d in dtypes)
+
+
+def _has_jaxpr_param(eqn: Any) -> bool:
+    for value in eqn.params.values():
+        values = value if type(value) is tuple else (value,)
+        if any(jc.is_any_jaxpr(v) for v in values):
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class Node:
+    """One vertex of the painting graph.
+
+    Attributes:
+      id: index in ``Graph.nodes`` (creation order is a topological order of each jaxpr).
+      key: list key (primitive name or virtual key); structural nodes use ``<carry>`` etc.
+      kind: ``allow``/``infer``/``deny``/``clear``/``unlisted`` as used by the passes.
+      listed_kind: the list the key is on (differs from ``kind`` inside float32 regions).
+      float32: TF's ``IsFloat32`` for this vertex.
+      process: TF's ``ShouldProcess``; false inside float32 regions and fused units.
+      path: readable location, e.g. ``scan/body/dot_general``.
+      eqn: the equation (None for structural nodes).
+      is_cast: an existing ``convert_element_type`` to float32 (TF's Cast rule).
+      feeds_output: the value leaves the program (a TF fetch: never retargeted).
+      unit: id of the fused unit this node sits in, if any.
+    """
+
+    id: int
+    key: str
+    kind: str
+    listed_kind: str
+    float32: bool
+    process: bool
+    path: str
+    eqn: Any = None
+    is_cast: bool = False
+    feeds_output: bool = False
+    unit: int | None = None
+    fanin: list[int] = dataclasses.field(default_factory=list)
+    fanout: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class EqnRec:
+    """How one equation of one jaxpr instance was mapped into the graph."""
+
+    kind: str  # leaf | call | cond | while | scan | unit | opaque
+    node: int | None = None
+    subs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: while/scan: carry node per carry (None: not a float carry); cond: output nodes.
+    carries: list[int | None] = dataclasses.field(default_factory=list)
+    xs: list[int | None] = dataclasses.field(default_factory=list)
+    ys: list[int | None] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ScopeRec:
+    """One instance of a jaxpr (the same jaxpr object may be called at several sites)."""
+
+    path: str
+    jaxpr: Any
+    eqns: list[EqnRec] = dataclasses.field(default_factory=list)
+
+
+class Graph:
+    """The flat painting graph of a closed jaxpr (see the module docstring)."""
+
+    def __init__(self, closed: Any, lists: Any):
+        self.lists = lists
+        self.nodes: list[Node] = []
+        jaxpr = jc.open_jaxpr(closed)
+        n_in = len(jaxpr.constvars) + len(jaxpr.invars)
+        self.top, outs = self._scope(jaxpr, [None] * n_in, "", False, None)
+        for src in outs:
+            if src is not None:
+                self.nodes[src].feeds_output = True
+        for node in self.nodes:
+            for src in node.fanin:
+                self.nodes[src].fanout.append(node.id)
+
+    # -- construction -------------------------------------------------------------------
+
+    def _node(
+        self,
+        key: str,
+        path: str,
+        *,
+        float32: bool,
+        process: bool,
+        unit: int | None,
+        fanin: list[int | None],
+        eqn: Any = None,
+        kind: str | None = None,
+    ) -> int:
+        listed = self.lists.kind(key) if kind is None else kind
+        # Inside a float32 region or a fused unit nothing is painted on its own: the node
+        # behaves as unlisted (never converted, blocks allow, does not spread deny).
+        effective = listed if process else "unlisted"
+        node = Node(
+            id=len(self.nodes),
+            key=key,
+            kind=effective,
+            listed_kind=listed,
+            float32=float32,
+            process=process,
+            path=path,
+            eqn=eqn,
+            unit=unit,
+            fanin=[s for s in fanin if s is not None],
+        )
+        self.nodes.append(node)
+        return node.id
+
+    def _scope(
+        self, jaxpr: Any, in_sources: list[int | None], path: str, region: bool, unit: int | None
+    ) -> tuple[ScopeRec, list[int | None]]:
+        """Adds one jaxpr instance; ``in_sources`` covers constvars then invars."""
+        rec = ScopeRec(path=path, jaxpr=jaxpr)
+        env: dict[Any, int | None] = {}
+        for var, src in zip([*jaxpr.constvars, *jaxpr.invars], in_sources, strict=True):
+            env[var] = src
+
+        def source(atom: Any) -> int | None:
+            if jc.is_literal(atom) or not is_float(atom.aval.dtype):
+                return None
+            return env.get(atom)
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            here = f"{path}{name}"
+            in_region = region or in_float32_region(jc.name_stack(eqn))
+            process = not in_region and unit is None
+            ins = [source(a) for a in eqn.invars]
+            key = op_key(eqn, self.lists)
+            if key.startswith("jit:"):
+                out, erec = self._unit(eqn, key, ins, here, in_region, unit)
+            elif name in CALL_BODIES and CALL_BODIES[name] in eqn.params:
+                body = eqn.params[CALL_BODIES[name]]
+                sub, out = self._scope(
+                    jc.open_jaxpr(body), self._with_consts(body, ins), f"{here}/", in_region, unit
+                )
+                erec = EqnRec("call", subs={"body": sub})
+            elif name == "cond":
+                out, erec = self._cond(eqn, ins, here, in_region, unit)
+            elif name == "while":
+                out, erec = self._while(eqn, ins, here, in_region, unit)
+            elif name == "scan":
+                out, erec = self._scan(eqn, ins, here, in_region, unit)
+            else:
+                opaque = _has_jaxpr_param(eqn) and name not in SCATTER_REBUILDERS
+                convertible = not (_has_jaxpr_param(eqn) and name not in SCATTER_REBUILDERS)
+                node = self._node(
+                    key,
+                    here,
+                    float32=eqn_is_float32(eqn) and convertible,
+                    process=process,
+                    unit=unit,
+                    fanin=ins,
+                    eqn=eqn,
+                    kind="unlisted" if opaque or name == "convert_element_type" else None,
+                )
+                n = self.nodes[node]
+                n.is_cast = name == "convert_element_type" and is_f32(eqn.params["new_dtype"])
+                out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
+                erec = EqnRec("opaque" if opaque else "leaf", node=node)
+            for var, src in zip(eqn.outvars, out, strict=True):
+                if not jc.is_drop_var(var):
+                    env[var] = src
+            rec.eqns.append(erec)
+        return rec, [source(a) for a in jaxpr.outvars]
+
+    @staticmethod
+    def _with_consts(body: Any, ins: list[int | None]) -> list[int | None]:
+        return [None] * len(jc.open_jaxpr(body).constvars) + ins
+
+    def _structural(
+        self, key: str, path: str, avals: list[Any], process: bool, unit: int | None
+    ) -> list[int | None]:
+        return [
+            self._node(
+                key,
+                path,
+                float32=is_f32(a.dtype),
+                process=process,
+                unit=unit,
+                fanin=[],
+                kind="clear",
+            )
+            if is_float(a.dtype)
+            else None
+            for a in avals
+        ]
+
+    def _link(self, into: list[int | None], sources: list[int | None]) -> None:
+        for node, src in zip(into, sources, strict=True):
+            if node is not None and src is not None:
+                self.nodes[node].fanin.append(src)
+
+    def _unit(self, eqn, key, ins, path, region, unit):
+        process = not region and unit is None
+        node = self._node(
+            key, path, float32=eqn_is_float32(eqn), process=process, unit=unit, fanin=ins, eqn=eqn
+        )
+        body = eqn.params["jaxpr"]
+        inner = [
+            node if s is not None or is_float(v.aval.dtype) else None
+            for s, v in zip(ins, eqn.invars, strict=True)
+        ]
+        sub, _ = self._scope(
+            jc.open_jaxpr(body), self._with_consts(body, inner), f"{path}/", region, node
+        )
+        out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
+        return out, EqnRec("unit", node=node, subs={"body": sub})
+
+    def _cond(self, eqn, ins, path, region, unit):
+        process = not region and unit is None
+        outs = self._structural(
+            "<cond-output>", f"{path}/output", [v.aval for v in eqn.outvars], process, unit
+        )
+        subs = []
+        for i, branch in enumerate(eqn.params["branches"]):
+            sub, bouts = self._scope(
+                jc.open_jaxpr(branch),
+                self._with_consts(branch, ins[1:]),
+                f"{path}/branch{i}/",
+                region,
+                unit,
+            )
+            self._link(outs, bouts)
+            subs.append(sub)
+        return outs, EqnRec("cond", subs={"branches": subs}, carries=outs)
+
+    def _while(self, eqn, ins, path, region, unit):
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+        process = not region and unit is None
+        carries = self._structural(
+            "<carry>", f"{path}/carry", [v.aval for v in eqn.invars[nc + nb :]], process, unit
+        )
+        self._link(carries, init)
+        csub, _ = self._scope(
+            jc.open_jaxpr(p["cond_jaxpr"]),
+            self._with_consts(p["cond_jaxpr"], cconsts + carries),
+            f"{path}/cond/",
+            region,
+            unit,
+        )
+        bsub, bouts = self._scope(
+            jc.open_jaxpr(p["body_jaxpr"]),
+            self._with_consts(p["body_jaxpr"], bconsts + carries),
+            f"{path}/body/",
+            region,
+            unit,
+        )
+        self._link(carries, bouts)
+        return carries, EqnRec("while", subs={"cond": csub, "body": bsub}, carries=carries)
+
+    def _scan(self, eqn, ins, path, region, unit):
+        p = eqn.params
+        nconst, ncarry = p["num_consts"], p["num_carry"]
+        body = p["jaxpr"]
+        consts, init, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
+        process = not region and unit is None
+        inner_in = jc.open_jaxpr(body).invars
+        carries = self._structural(
+            "<carry>",
+            f"{path}/carry",
+            [v.aval for v in eqn.invars[nconst : nconst + ncarry]],
+            process,
+            unit,
+        )
+        xnodes = self._structural(
+            "<xs>", f"{path}/xs", [v.aval for v in inner_in[nconst + ncarry :]], process, unit
+        )
+        self._link(carries, init)
+        self._link(xnodes, xs)
+        sub, bouts = self._scope(
+            jc.open_jaxpr(body),
+            self._with_consts(body, consts + carries + xnodes),
+            f"{path}/body/",
+            region,
+            unit,
+        )
+        ynodes = self._structural(
+            "<ys>", f"{path}/ys", [v.aval for v in eqn.outvars[ncarry:]], process, unit
+        )
+        self._link(carries, bouts[:ncarry])
+        self._link(ynodes, bouts[ncarry:])
+        return carries + ynodes, EqnRec(
+            "scan", subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes
+        )

@@ -1,0 +1,226 @@
+"""TF's painting passes, run on the flat graph of :mod:`jmp_rewrite._src.graph`.
+
+Each pass is a function named after, and citing, the grappler pass it reproduces
+(``tensorflow/core/grappler/optimizers/auto_mixed_precision.cc``, TF 2.21). They run in TF's
+order; the result records, for every node, whether it is painted half precision ("allow")
+and which pass decided that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+from jmp_rewrite._src.graph import Graph, Node
+
+ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
+
+
+@dataclasses.dataclass
+class Painting:
+    """The outcome of painting a graph.
+
+    Attributes:
+      allow: ids of the nodes that run in half precision.
+      deny: ids of the nodes painted deny by pass 2.
+      painted_by: node id -> name of the pass that last decided its colour.
+      changed: False when TF's "No allowlist ops found, nothing to do" applies.
+    """
+
+    allow: set[int]
+    deny: set[int]
+    painted_by: dict[int, str]
+    changed: bool
+
+    def colour(self, node_id: int) -> str:
+        if node_id in self.allow:
+            return ALLOW
+        return DENY if node_id in self.deny else "float32"
+
+
+def _dfs(
+    roots: Iterable[int],
+    edges: Callable[[Node], Iterable[int]],
+    nodes: list[Node],
+    enter: Callable[[Node, int], bool],
+) -> list[int]:
+    """TF's ``DfsTypeTraversal``: from each root, visit nodes satisfying ``enter(v, root)``."""
+    seen: set[int] = set()
+    order: list[int] = []
+    for root in roots:
+        stack = [root]
+        while stack:
+            v = stack.pop()
+            if v in seen or not enter(nodes[v], root):
+                continue
+            seen.add(v)
+            order.append(v)
+            stack.extend(edges(nodes[v]))
+    return order
+
+
+def _fanin(n: Node) -> list[int]:
+    return n.fanin
+
+
+def _fanout(n: Node) -> list[int]:
+    return n.fanout
+
+
+def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:
+    """Pass 1, TF ``AddAllowlistOps``: every processable allowlist op is painted allow.
+
+    Under ``UNSAFE_FORCE_ALL`` every processable node is (TF's ``CanForceFP16``: casts and
+    ops that cannot hold half precision excluded).
+    """
+    for n in g.nodes:
+        if n.process and (n.kind == ALLOW or (force_all and n.float32 and not n.is_cast)):
+            p.allow.add(n.id)
+            p.painted_by[n.id] = "add_allowlist_ops"
+
+
+def propagate_deny_forward_through_clear_and_infer(g: Graph, p: Painting) -> None:
+    """Pass 2, TF ``PropagateDenyFwdThroughClearAndInfer``.
+
+    Deny flows forward through infer ops unconditionally, and through clear ops only while a
+    clear-only path leads on to another deny or infer op. TF's example:
+    ``deny -> infer -> clear -> infer -> clear -> allow -> infer`` gives
+    ``deny deny deny deny clear allow infer``.
+    """
+    upstream: set[int] = set()  # U: deny/infer ops and clear ops leading to one
+    for r in (n.id for n in g.nodes if n.kind in (DENY, INFER)):
+        for v in _dfs(
+            [r],
+            _fanin,
+            g.nodes,
+            lambda v, r: v.id == r or (v.id not in upstream and v.kind == CLEAR),
+        ):
+            upstream.add(v)
+    for r in (n.id for n in g.nodes if n.kind == DENY):
+        if r in p.deny:
+            continue
+        for v in _dfs(
+            [r],
+            _fanout,
+            g.nodes,
+            lambda v, r: v.id == r or (v.id not in p.deny and v.id in upstream),
+        ):
+            p.deny.add(v)
+            p.painted_by[v] = "propagate_deny_forward_through_clear_and_infer"
+
+
+def _eligible(n: Node, p: Painting) -> bool:
+    return n.process and n.float32 and n.id not in p.deny
+
+
+def add_clear_and_infer_to_allow_if_between_allow(g: Graph, p: Painting) -> None:
+    """Pass 3, TF ``AddClearAndInferToAllowIfBetweenAllow``.
+
+    Clear and infer ops on an ``allow -> ... -> allow`` path made only of eligible clear/infer
+    ops become allow: no casting back and forth between two half-precision matmuls.
+    """
+    roots = [n.id for n in g.nodes if n.process and n.kind == ALLOW]
+    downstream = set(
+        _dfs(
+            roots,
+            _fanout,
+            g.nodes,
+            lambda v, r: v.id == r or (v.kind in (CLEAR, INFER) and _eligible(v, p)),
+        )
+    )
+    for v in _dfs(roots, _fanin, g.nodes, lambda v, r: v.id == r or v.id in downstream):
+        if v not in p.allow:
+            p.allow.add(v)
+            p.painted_by[v] = "add_clear_and_infer_to_allow_if_between_allow"
+
+
+def add_infer_to_allow_if_follow_allow(g: Graph, p: Painting) -> None:
+    """Pass 4, TF ``AddInferToAllowIfFollowAllow`` (every mode since TF 2.20).
+
+    One sweep in graph order: an infer op with an allow input and no deny input becomes
+    allow. The set is updated in place, so a chain ``allow -> infer -> infer`` is painted
+    whole; but it runs before pass 5, so ``matmul -> relu -> tanh`` leaves tanh float32
+    (relu is not allow yet).
+    """
+    for n in g.nodes:
+        if n.kind != INFER or not _eligible(n, p) or n.id in p.allow:
+            continue
+        if any(s in p.deny for s in n.fanin):
+            continue
+        if any(s in p.allow for s in n.fanin):
+            p.allow.add(n.id)
+            p.painted_by[n.id] = "add_infer_to_allow_if_follow_allow"
+
+
+def propagate_allow_through_clear(g: Graph, p: Painting) -> None:
+    """Pass 5, TF ``PropagateAllowThroughClear``: allow spreads through clear ops, both ways.
+
+    Upstream too: ``param -> reshape -> transpose -> matmul`` casts once, right after the
+    parameter, and reshapes/transposes the half-precision copy.
+    """
+    roots = [n for n in sorted(p.allow) if g.nodes[n].process]
+
+    def enter(v: Node, r: int) -> bool:
+        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))
+
+    for v in _dfs(roots, lambda n: [*n.fanin, *n.fanout], g.nodes, enter):
+        if v not in p.allow:
+            p.allow.add(v)
+            p.painted_by[v] = "propagate_allow_through_clear"
+
+
+def remove_allow_without_float32(g: Graph, p: Painting) -> None:
+    """Pass 6, TF ``RemoveAllowsetWithFp32``: allowlist ops that cannot hold half go back."""
+    for n in g.nodes:
+        if n.id in p.allow and n.kind == ALLOW and not n.float32:
+            p.allow.discard(n.id)
+            p.painted_by[n.id] = "remove_allow_without_float32"
+
+
+def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
+    """TF ``MakeCastsAllowIfAllOutputsAllow``: a user's cast to float32 feeding only
+    half-precision consumers casts to half instead (``bool -> f32 -> matmul`` becomes
+    ``bool -> f16``), saving a cast."""
+    for n in g.nodes:
+        if n.is_cast and n.process and n.fanout and not n.feeds_output:
+            if all(c in p.allow for c in n.fanout):
+                p.allow.add(n.id)
+                p.painted_by[n.id] = "make_casts_allow_if_all_outputs_allow"
+
+
+def inherit_unit_colours(g: Graph, p: Painting) -> None:
+    """A fused unit (``jit:log_softmax``...) runs whole in the colour of its node."""
+    for n in g.nodes:
+        if n.unit is not None and n.float32 and n.unit in p.allow:
+            p.allow.add(n.id)
+            p.painted_by[n.id] = p.painted_by.get(n.unit, "unit")
+
+
+def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False) -> Painting:
+    """Runs TF's passes, in TF's order, on ``g``.
+
+    Args:
+      g: the painting graph.
+      infer_follows_allow: run pass 4 (TF >= 2.20 in every mode; before that only in bf16).
+      force_all: TF's ``UNSAFE_FORCE_ALL`` level.
+
+    Returns:
+      The :class:`Painting`.
+    """
+    p = Painting(allow=set(), deny=set(), painted_by={}, changed=True)
+    add_allowlist_ops(g, p, force_all)
+    if not p.allow:  # TF: "No allowlist ops found, nothing to do"
+        p.changed = False
+        return p
+    if not force_all:
+        propagate_deny_forward_through_clear_and_infer(g, p)
+    add_clear_and_infer_to_allow_if_between_allow(g, p)
+    if infer_follows_allow:
+        add_infer_to_allow_if_follow_allow(g, p)
+    propagate_allow_through_clear(g, p)
+    remove_allow_without_float32(g, p)
+    make_casts_allow_if_all_outputs_allow(g, p)
+    inherit_unit_colours(g, p)
+    if not any(g.nodes[n].float32 for n in p.allow):
+        p.changed = False
+    return p

@@ -1,0 +1,574 @@
+"""Public entry points of the rewrite: ``rewrite``, ``rewrite_jaxpr``, ``paint``.
+
+``rewrite(fun)`` traces ``fun`` to a jaxpr at the avals of each new input signature, paints
+it with TF's passes and re-emits it under the caller's trace, casting float32 values to half
+precision where painted. The traced jaxpr and its painting are cached per signature, so
+repeated calls do not re-trace or re-paint; ``jax.jit`` around the result caches compilation
+as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import op_lists as op_lists_lib
+from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.graph import Graph
+from jmp_rewrite._src.paint import Painting, paint
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_ALLOWED_DTYPES_MSG = "jnp.float16, jnp.bfloat16 or None (pick by platform)"
+
+#: TF's kMinGPUArch: float16 only pays off on GPUs with tensor cores (compute capability 7.0).
+MIN_GPU_COMPUTE_CAPABILITY = (7, 0)
+
+
+@dataclasses.dataclass
+class _GlobalSwitch:
+    """Process-wide state of ``enable_mixed_precision_graph_rewrite``."""
+
+    enabled: bool = False
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+GLOBAL = _GlobalSwitch()
+
+
+def validate_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as a NumPy half dtype, or None.
+
+    Raises:
+      ValueError: if ``dtype`` is not float16, bfloat16 or None.
+    """
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in HALF_DTYPES:
+        raise ValueError(f"dtype must be {_ALLOWED_DTYPES_MSG}; got {dtype!r}")
+    return dt
+
+
+def platform_dtype(device: Any = None) -> np.dtype | None:
+    """TF's choice of target dtype for a device: float16 on CUDA GPUs of compute capability
+    >= 7.0, bfloat16 on TPUs, None (no rewrite) elsewhere, e.g. on CPU.
+
+    Args:
+      device: a ``jax.Device``; defaults to ``jax.devices()[0]``.
+
+    Returns:
+      ``np.dtype(jnp.float16)``, ``np.dtype(jnp.bfloat16)`` or None.
+    """
+    device = device if device is not None else jax.devices()[0]
+    if device.platform == "tpu":
+        return np.dtype(jnp.bfloat16)
+    if device.platform in ("gpu", "cuda"):
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(p) for p in str(cc).split(".")[:2])
+        except ValueError:
+            return None
+        if (major, minor) >= MIN_GPU_COMPUTE_CAPABILITY:
+            return np.dtype(jnp.float16)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteConfig:
+    """Everything that decides how a program is painted (hashable: a cache key)."""
+
+    dtype: np.dtype
+    lists: Any
+    force_all: bool
+    infer_follows_allow: bool
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"force_all": self.force_all, "infer_follows_allow": self.infer_follows_allow}
+
+
+def resolve_config(
+    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
+) -> RewriteConfig | None:
+    """The painting configuration, or None when the program is to be left unchanged.
+
+    With ``lists=None`` the defaults for ``dtype`` are used, with the ``JMP_REWRITE_*``
+    environment overrides (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``) applied; explicit
+    ``lists`` are used as given. ``level`` (else ``JMP_REWRITE_LEVEL``) applies either way.
+    """
+    dt = validate_dtype(dtype)
+    if dt is None:
+        return None
+    if lists is None:
+        env = dict(os.environ)
+        if level is not None:
+            env[op_lists_lib.ENV_LEVEL] = level
+        lists, level = op_lists_lib.lists_from_environment(dt, env)
+    else:
+        if not isinstance(lists, op_lists_lib.OpLists):
+            raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
+        if level is None:
+            level = os.environ.get(op_lists_lib.ENV_LEVEL, "")
+        lists = op_lists_lib.apply_level(lists, level, dt)
+    level = op_lists_lib.canonical_level(level)
+    return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", bool(infer_follows_allow))
+
+
+@dataclasses.dataclass
+class Rewritten:
+    """A traced, painted program ready to be emitted."""
+
+    closed: Any
+    graph: Graph | None
+    painting: Painting | None
+    config: RewriteConfig | None
+    out_tree: Any
+
+    def emit(self, flat_args: Sequence[Any]) -> list[Any]:
+        if self.painting is None or not self.painting.changed:
+            return jc.eval_jaxpr(self.closed, *flat_args)
+        emitter = Emitter(self.graph, self.painting, self.config.dtype, self.config.options)
+        outs = emitter.run(self.graph.top, jc.consts_of(self.closed), flat_args)
+        inner = jc.open_jaxpr(self.closed)
+        return [_restore(o, v.aval.dtype) for o, v in zip(outs, inner.outvars, strict=True)]
+
+
+def _restore(value: Any, dtype: Any) -> Any:
+    if jnp.result_type(value) == np.dtype(dtype):
+        return value
+    return jax.lax.convert_element_type(value, dtype)
+
+
+def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Painting | None]:
+    """Builds the graph of ``closed`` and paints it (None, None when there is nothing to do)."""
+    if config is None:
+        return None, None
+    graph = Graph(closed, config.lists)
+    return graph, paint(
+        graph, infer_follows_allow=config.infer_follows_allow, force_all=config.force_all
+    )
+
+
+def _aval_key(x: Any) -> Any:
+    t = jax.typeof(x)
+    return (t.shape, np.dtype(t.dtype), t.weak_type)
+
+
+class _RewrittenFunction:
+    """The callable returned by :func:`rewrite`."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        dtype: Any,
+        lists: Any,
+        level: str | None,
+        infer_follows_allow: bool,
+        static_argnums: tuple[int, ...],
+        static_argnames: tuple[str, ...],
+    ):
+        self.fun = fun
+        self.dtype = validate_dtype(dtype) if dtype is not None else None
+        self.lists = lists
+        self.level = level
+        self.infer_follows_allow = infer_follows_allow
+        self.static_argnums = static_argnums
+        self.static_argnames = static_argnames
+        self._cache: dict[Any, Rewritten] = {}
+        functools.update_wrapper(self, fun)
+
+    def config(self) -> RewriteConfig | None:
+        dtype, lists, level, follow = self.dtype, self.lists, self.level, self.infer_follows_allow
+        if dtype is None and GLOBAL.enabled:
+            opts = GLOBAL.options
+            dtype = opts.get("dtype")
+            lists = opts.get("lists", lists)
+            level = opts.get("level", level)
+            follow = opts.get("infer_follows_allow", follow)
+            if dtype is None:
+                dtype = platform_dtype()
+        elif dtype is None:
+            dtype = platform_dtype()
+        return resolve_config(dtype, lists, level, follow)
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        static_args = {i: args[i] for i in self.static_argnums if i < len(args)}
+        static_kwargs = {k: kwargs[k] for k in self.static_argnames if k in kwargs}
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_args)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
+        return static_args, static_kwargs, dyn_args, dyn_kwargs
+
+    def trace(self, *args: Any, **kwargs: Any) -> tuple[Rewritten, list[Any]]:
+        """Traces and paints for these arguments (cached); returns it and the flat inputs."""
+        static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        flat, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
+        config = self.config()
+        try:
+            key = (
+                in_tree,
+                tuple(_aval_key(x) for x in flat),
+                tuple(sorted(static_args.items())),
+                tuple(sorted(static_kwargs.items())),
+                config,
+            )
+            hash(key)
+        except TypeError as e:
+            raise TypeError(f"static arguments of {self.__name__} must be hashable: {e}") from None
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._trace(static_args, static_kwargs, flat, in_tree, config)
+            self._cache[key] = entry
+        return entry, flat
+
+    def _trace(self, static_args, static_kwargs, flat, in_tree, config) -> Rewritten:
+        def flat_fun(*flat_args):
+            d_args, d_kwargs = jax.tree.unflatten(in_tree, flat_args)
+            it = iter(d_args)
+            n = len(d_args) + len(static_args)
+            full = [static_args[i] if i in static_args else next(it) for i in range(n)]
+            return self.fun(*full, **d_kwargs, **static_kwargs)
+
+        avals = [jax.ShapeDtypeStruct(*_aval_key(x)[:2], weak_type=_aval_key(x)[2]) for x in flat]
+        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+        graph, painting = analyse(closed, config)
+        return Rewritten(closed, graph, painting, config, jax.tree.structure(out_shape))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, flat = self.trace(*args, **kwargs)
+        return jax.tree.unflatten(entry.out_tree, entry.emit(flat))
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self) -> str:
+        return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype})"
+
+
+def _normalize_static(
+    static_argnums: int | Sequence[int] | None, static_argnames: str | Sequence[str] | None
+):
+    if static_argnums is None:
+        nums: tuple[int, ...] = ()
+    elif isinstance(static_argnums, int):
+        nums = (static_argnums,)
+    else:
+        nums = tuple(static_argnums)
+    if any(not isinstance(n, int) or n < 0 for n in nums):
+        raise ValueError(f"static_argnums must be non-negative ints, got {static_argnums!r}")
+    if static_argnames is None:
+        names: tuple[str, ...] = ()
+    elif isinstance(static_argnames, str):
+        names = (static_argnames,)
+    else:
+        names = tuple(static_argnames)
+    return nums, names
+
+
+@overload
+def rewrite(
+    fun: F,
+    *,
+    dtype: Any = ...,
+    lists: Any = ...,
+    level: str | None = ...,
+    infer_follows_allow: bool = ...,
+    static_argnums: Any = ...,
+    static_argnames: Any = ...,
+) -> F: ...
+
+
+@overload
+def rewrite(
+    fun: None = ...,
+    *,
+    dtype: Any = ...,
+    lists: Any = ...,
+    level: str | None = ...,
+    infer_follows_allow: bool = ...,
+    static_argnums: Any = ...,
+    static_argnames: Any = ...,
+) -> Callable[[F], F]: ...
+
+
+def rewrite(
+    fun=None,
+    *,
+    dtype=None,
+    lists=None,
+    level=None,
+    infer_follows_allow=True,
+    static_argnums=None,
+    static_argnames=None,
+):
+    """Rewrites ``fun`` to run in mixed precision, as TF's ``auto_mixed_precision`` would.
+
+    The function is traced to a jaxpr, every equation is painted with TF's allow / infer /
+    deny / clear lists and passes, and the program is re-emitted with float32 values cast to
+    ``dtype`` where painted. Only float32 values are converted; parameters stay float32
+    (they are cast at their first half-precision use), and the result has the same pytree,
+    shapes and dtypes as ``fun``'s. A program with no allowlist op (no matmul/conv) is
+    returned unchanged. Use as a plain call or a decorator, with or without arguments.
+
+    Args:
+      fun: the function to rewrite (any JAX-traceable callable: a loss, a model apply, a
+        whole jitted train step).
+      dtype: ``jnp.float16`` or ``jnp.bfloat16`` forces the rewrite on any platform; None
+        picks by platform like TF: float16 on CUDA GPUs of compute capability >= 7.0,
+        bfloat16 on TPUs, no rewrite elsewhere (CPU) -- unless
+        :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` is on.
+      lists: a :class:`jmp_rewrite.OpLists`; default: the TF 2.21 lists for ``dtype`` with
+        the ``JMP_REWRITE_*`` environment overrides applied.
+      level: TF's ``..._LEVEL``: ``"TENSOR_CORES_ONLY"``, ``"TREAT_INFER_AS_DENY"`` or
+        ``"UNSAFE_FORCE_ALL"`` (default: ``JMP_REWRITE_LEVEL`` or the default level).
+      infer_follows_allow: run TF's pass 4 (TF >= 2.20 does in every mode); False gives
+        the TF <= 2.19 float16 behaviour.
+      static_argnums: positional arguments that are not arrays (as in ``jax.jit``).
+      static_argnames: keyword arguments that are not arrays.
+
+    Returns:
+      The rewritten function (or, without ``fun``, a decorator producing one).
+
+    Raises:
+      TypeError: if ``fun`` is not callable.
+      ValueError: if ``dtype`` is not float16, bfloat16 or None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jmp_rewrite
+      >>> @jmp_rewrite.rewrite(dtype=jnp.float16)
+      ... def layer(w, x):
+      ...   return jnp.tanh(x @ w)
+      >>> layer(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype
+      dtype('float32')
+    """
+    validate_dtype(dtype)
+    nums, names = _normalize_static(static_argnums, static_argnames)
+
+    def decorate(f: F) -> F:
+        if not callable(f):
+            raise TypeError(f"rewrite expects a callable, got {type(f).__name__}: {f!r}")
+        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, nums, names)  # type: ignore[return-value]
+
+    if fun is None:
+        return decorate
+    return decorate(fun)
+
+
+def rewrite_jaxpr(
+    closed_jaxpr: Any,
+    *,
+    dtype: Any,
+    lists: Any = None,
+    level: str | None = None,
+    infer_follows_allow: bool = True,
+) -> Any:
+    """Rewrites a closed jaxpr; the result has the same input and output avals.
+
+    Args:
+      closed_jaxpr: a ``jax.extend.core.ClosedJaxpr`` (e.g. from ``jax.make_jaxpr``).
+      dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+      lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
+      level: as in :func:`rewrite`.
+      infer_follows_allow: as in :func:`rewrite`.
+
+    Returns:
+      A new closed jaxpr (the input itself when nothing is painted).
+
+    Raises:
+      TypeError: if ``closed_jaxpr`` is not a closed jaxpr.
+      ValueError: if ``dtype`` is not float16 or bfloat16.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jmp_rewrite
+      >>> cj = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+      >>> new = jmp_rewrite.rewrite_jaxpr(cj, dtype=jnp.bfloat16)
+      >>> [str(e.primitive) for e in new.jaxpr.eqns]
+      ['convert_element_type', 'convert_element_type', 'dot_general', 'convert_element_type']
+    """
+    if not (
+        jc.is_closed_jaxpr(closed_jaxpr) or jc.MERGED_JAXPR_TYPES and jc.is_any_jaxpr(closed_jaxpr)
+    ):
+        raise TypeError(
+            f"rewrite_jaxpr expects a ClosedJaxpr (from jax.make_jaxpr), "
+            f"got {type(closed_jaxpr).__name__}"
+        )
+    if dtype is None:
+        raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_ALLOWED_DTYPES_MSG[:28]}")
+    config = resolve_config(dtype, lists, level, infer_follows_allow)
+    graph, painting = analyse(closed_jaxpr, config)
+    if painting is None or not painting.changed:
+        return closed_jaxpr
+    inner = jc.open_jaxpr(closed_jaxpr)
+    emitter = Emitter(graph, painting, config.dtype, config.options)
+    in_avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in inner.invars
+    ]
+    return emitter.trace(
+        graph.top, jc.consts_of(closed_jaxpr), in_avals, [v.aval.dtype for v in inner.outvars]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EquationPaint:
+    """How one equation (or structural vertex) of a program was painted.
+
+    Attributes:
+      path: where it sits, e.g. ``while/body/dot_general`` (sub-jaxprs joined by ``/``).
+      primitive: the primitive name (``<carry>``, ``<cond-output>``, ``<xs>``, ``<ys>`` for
+        loop carries, ``cond`` outputs and ``scan`` streams).
+      key: the list key (``reciprocal``, ``jit:log_softmax``... for virtual keys).
+      list: ``allow``/``infer``/``deny``/``clear``/``unlisted`` for this dtype's lists.
+      colour: ``allow`` (runs in half precision), ``deny`` or ``float32``.
+      painted_by: the TF pass that decided the colour (None: never painted).
+      float32: TF's ``IsFloat32``: whether the equation computes on float32 values.
+      in_float32_region: inside :func:`jmp_rewrite.float32_region`.
+    """
+
+    path: str
+    primitive: str
+    key: str
+    list: str
+    colour: str
+    painted_by: str | None
+    float32: bool
+    in_float32_region: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PaintResult:
+    """The painting of a whole program: one :class:`EquationPaint` per vertex, in order."""
+
+    equations: tuple[EquationPaint, ...]
+    dtype: np.dtype | None
+    changed: bool
+
+    def __len__(self) -> int:
+        return len(self.equations)
+
+    def __iter__(self):
+        return iter(self.equations)
+
+    def __getitem__(self, index: int) -> EquationPaint:
+        return self.equations[index]
+
+    def find(self, primitive: str) -> list[EquationPaint]:
+        """All vertices of ``primitive`` (or whose path ends with it), in program order."""
+        return [
+            e
+            for e in self.equations
+            if e.primitive == primitive or e.key == primitive or e.path.endswith(primitive)
+        ]
+
+    def colours(self, primitive: str) -> list[str]:
+        """The colours of every ``primitive`` vertex, in program order."""
+        return [e.colour for e in self.find(primitive)]
+
+    @property
+    def half(self) -> list[EquationPaint]:
+        """The vertices that run in half precision."""
+        return [e for e in self.equations if e.colour == "allow"]
+
+    def __str__(self) -> str:
+        rows = [("path", "list", "colour", "pass")]
+        rows += [(e.path, e.list, e.colour, e.painted_by or "") for e in self.equations]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+
+
+def paint_result(
+    graph: Graph | None, painting: Painting | None, config: RewriteConfig | None
+) -> PaintResult:
+    if graph is None or painting is None:
+        return PaintResult((), None, False)
+    eqs = []
+    for n in graph.nodes:
+        colour = painting.colour(n.id) if painting.changed else "float32"
+        in_region = not n.process and n.unit is None
+        eqs.append(
+            EquationPaint(
+                path=n.path,
+                primitive=n.eqn.primitive.name if n.eqn is not None else n.key,
+                key=n.key,
+                list=n.listed_kind,
+                colour=colour,
+                painted_by=painting.painted_by.get(n.id) if painting.changed else None,
+                float32=n.float32,
+                in_float32_region=in_region,
+            )
+        )
+    return PaintResult(tuple(eqs), config.dtype, painting.changed)
+
+
+def paint_program(
+    fun: Callable[..., Any],
+    *args: Any,
+    dtype: Any,
+    lists: Any = None,
+    level: str | None = None,
+    infer_follows_allow: bool = True,
+    static_argnums: Any = None,
+    static_argnames: Any = None,
+    **kwargs: Any,
+) -> PaintResult:
+    """Paints ``fun`` at these arguments with TF's passes, without running it.
+
+    Args:
+      fun: the function, as for :func:`rewrite`.
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      dtype: ``jnp.float16`` or ``jnp.bfloat16``.
+      lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
+      level: as in :func:`rewrite`.
+      infer_follows_allow: as in :func:`rewrite`.
+      static_argnums: as in :func:`rewrite`.
+      static_argnames: as in :func:`rewrite`.
+      **kwargs: example keyword arguments.
+
+    Returns:
+      A :class:`PaintResult`: for every equation (sub-jaxprs included), its list, colour and
+      the pass that set it.
+
+    Raises:
+      ValueError: if ``dtype`` is not float16 or bfloat16.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jmp_rewrite
+      >>> p = jmp_rewrite.paint(lambda w, x: jnp.exp(x @ w), jnp.ones((2, 2)),
+      ...                       jnp.ones((2, 2)), dtype=jnp.float16)
+      >>> p.colours("dot_general"), p.colours("exp")
+      (['allow'], ['deny'])
+    """
+    if dtype is None:
+        raise ValueError(f"paint needs an explicit dtype: {_ALLOWED_DTYPES_MSG[:28]}")
+    fn = rewrite(
+        fun,
+        dtype=dtype,
+        lists=lists,
+        level=level,
+        infer_follows_allow=infer_follows_allow,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
+    )
+    entry, _ = fn.trace(*args, **kwargs)
+    return paint_result(entry.graph, entry.painting, entry.config)

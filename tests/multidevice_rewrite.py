@@ -1,0 +1,64 @@
+"""Run by test_rewrite.py in a subprocess with 8 CPU devices (XLA_FLAGS set before import)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxpr_walk import prims, runs_in_half
+
+import jmp_rewrite as jr
+
+assert jax.device_count() == 8, jax.devices()
+mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+x = jax.random.normal(jax.random.key(0), (16, 4))
+w = 0.3 * jax.random.normal(jax.random.key(1), (4, 4))
+
+# shard_map with a collective: the body is painted, psum stays inside the manual region.
+sm = jax.shard_map(
+    lambda a, b: jax.lax.psum(jnp.tanh(a @ b), "d"),
+    mesh=mesh,
+    in_specs=(P("d"), P()),
+    out_specs=P(),
+)
+
+
+def f(x, w):
+    return sm(x, w) @ w
+
+
+for dtype, tol in ((jnp.float16, 1e-2), (jnp.bfloat16, 5e-2)):
+    g = jr.rewrite(f, dtype=dtype)
+    np.testing.assert_allclose(jax.jit(g)(x, w), f(x, w), rtol=tol, atol=tol)
+    grad_rw = jax.grad(lambda v, g=g: g(x, v).sum())(w)
+    grad_ref = jax.grad(lambda v: f(x, v).sum())(w)
+    np.testing.assert_allclose(grad_rw, grad_ref, rtol=tol, atol=tol * 10)
+    j = jax.make_jaxpr(g)(x, w)
+    assert prims(j, "shard_map") and all(runs_in_half(e) for e in prims(j, "dot_general"))
+
+# jit shardings and sharding constraints survive.
+s = NamedSharding(mesh, P("d"))
+
+
+@jax.jit
+def h(x, w):
+    y = jax.lax.with_sharding_constraint(x @ w, s)
+    return jnp.tanh(y) @ w
+
+
+step = jax.jit(h, in_shardings=(s, None), out_shardings=s)
+rw = jr.rewrite(step, dtype=jnp.float16)
+out = jax.jit(rw)(x, w)
+assert out.dtype == jnp.float32 and out.sharding.is_equivalent_to(s, 2), out.sharding
+np.testing.assert_allclose(out, step(x, w), rtol=1e-2, atol=1e-2)
+j = jax.make_jaxpr(rw)(x, w)
+outer = prims(j, "jit")[0]
+assert outer.params["in_shardings"][0] == s and outer.params["out_shardings"][0] == s
+constraint = prims(j, "sharding_constraint")[0]
+assert constraint.params["sharding"] == s and runs_in_half(constraint)
+
+# SPMD jit over sharded inputs
+xs = jax.device_put(x, s)
+spmd = jax.jit(jr.rewrite(lambda a: jnp.tanh(a @ w) @ w, dtype=jnp.float16))
+np.testing.assert_allclose(spmd(xs), jnp.tanh(x @ w) @ w, rtol=1e-2, atol=1e-2)
+print("OK")
