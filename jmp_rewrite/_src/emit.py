@@ -66,6 +66,20 @@ class Emitter:
         self.painting = painting
         self.half = np.dtype(dtype)
         self.options = options
+        #: When a list, every cast inserted is recorded as (where, value, from, to).
+        self.cast_log: list[tuple[str, str, str, str]] | None = None
+        self._where = ""
+
+    def _log(self, where: str, what: str, src: Any, dst: Any) -> None:
+        if self.cast_log is not None:
+            self.cast_log.append((where, what, str(np.dtype(src)), str(np.dtype(dst))))
+
+    def cast(self, value: Any, dtype: Any, where: str, what: str = "") -> Any:
+        """``_cast``, recorded in :attr:`cast_log` when it inserts a cast."""
+        out = _cast(value, dtype)
+        if out is not value:
+            self._log(where, what, jnp.result_type(value), dtype)
+        return out
 
     # -- dtype decisions -----------------------------------------------------------------
 
@@ -104,11 +118,13 @@ class Emitter:
             if key not in casts:
                 keep.append(val)
                 casts[key] = lax.convert_element_type(val, dtype)
+                self._log(self._where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
         for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True):
             region = in_float32_region(jc.name_stack(eqn))
             scope_cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else contextlib.nullcontext()
+            self._where = self._path(scope, eqn, rec)
             with scope_cm:
                 outs = self._eqn(eqn, rec, read)
             for var, val in zip(eqn.outvars, outs, strict=True):
@@ -128,10 +144,16 @@ class Emitter:
         def fun(*args: Any) -> list[Any]:
             outs = self.run(scope, consts, args)
             if out_dtypes is not None:
-                outs = [_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
+                where = f"{scope.path}<outputs>"
+                outs = [self.cast(o, d, where) for o, d in zip(outs, out_dtypes, strict=True)]
             return outs
 
         return jax.make_jaxpr(fun)(*in_avals)
+
+    def _path(self, scope: ScopeRec, eqn: Any, rec: EqnRec) -> str:
+        if rec.node is not None:
+            return self.graph.nodes[rec.node].path
+        return f"{scope.path}{eqn.primitive.name}"
 
     # -- one equation ---------------------------------------------------------------------
 
@@ -143,7 +165,13 @@ class Emitter:
         if rec.kind == "unit":
             invals = [read(a, self._target(rec.node, a.aval.dtype)) for a in eqn.invars]
             return self._call(eqn, rec, invals)
-        invals = [read(a) for a in eqn.invars]
+        if rec.operands:
+            invals = [
+                read(a) if n is None else read(a, self._target(n, a.aval.dtype))
+                for a, n in zip(eqn.invars, rec.operands, strict=True)
+            ]
+        else:
+            invals = [read(a) for a in eqn.invars]
         if rec.kind == "call":
             return self._call(eqn, rec, invals)
         return getattr(self, "_" + rec.kind)(eqn, rec, invals)
@@ -315,7 +343,7 @@ class Emitter:
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         carry_avals = [v.aval for v in eqn.invars[nc + nb :]]
         dtypes = self._carry_dtypes(rec.carries, carry_avals)
-        init = [_cast(v, d) for v, d in zip(invals[nc + nb :], dtypes, strict=True)]
+        init = invals[nc + nb :]  # already in the carries' dtypes (rec.operands)
         cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         cond = self.trace(
@@ -342,10 +370,7 @@ class Emitter:
         x_dtypes = self._carry_dtypes(rec.xs, [v.aval for v in eqn.invars[nconst + ncarry :]])
         y_dtypes = self._carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[ncarry:]])
         consts = invals[:nconst]
-        init = [
-            _cast(v, d) for v, d in zip(invals[nconst : nconst + ncarry], carry_dtypes, strict=True)
-        ]
-        xs = [_cast(v, d) for v, d in zip(invals[nconst + ncarry :], x_dtypes, strict=True)]
+        init, xs = invals[nconst : nconst + ncarry], invals[nconst + ncarry :]
         x_slices = [
             jax.ShapeDtypeStruct(a.shape, d)
             for a, d in zip(
@@ -357,6 +382,11 @@ class Emitter:
             rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes
         )
         return _bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
+
+
+def _describe(atom: Any) -> str:
+    """A value's shape, e.g. ``[4,16]`` (its dtype is in the cast record)."""
+    return "[" + ",".join(str(d) for d in getattr(atom.aval, "shape", ())) + "]"
 
 
 def _cast(value: Any, dtype: Any) -> Any:

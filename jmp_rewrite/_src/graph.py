@@ -146,6 +146,9 @@ class EqnRec:
     subs: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: while/scan: carry node per carry (None: not a float carry); cond: output nodes.
     carries: list[int | None] = dataclasses.field(default_factory=list)
+    #: while/scan: per operand, the structural node whose dtype it is passed in (loop
+    #: consts, carries' initial values, xs), or None to pass it as it is.
+    operands: list[int | None] = dataclasses.field(default_factory=list)
     xs: list[int | None] = dataclasses.field(default_factory=list)
     ys: list[int | None] = dataclasses.field(default_factory=list)
 
@@ -330,8 +333,10 @@ class Graph:
     def _while(self, eqn, ins, path, region, unit):
         p = eqn.params
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        cconsts, bconsts, init = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+        init = ins[nc + nb :]
         process = not region and unit is None
+        consts = self._consts(eqn.invars[: nc + nb], ins[: nc + nb], path, process, unit)
+        cconsts, bconsts = consts[:nc], consts[nc:]
         carries = self._structural(
             "<carry>", f"{path}/carry", [v.aval for v in eqn.invars[nc + nb :]], process, unit
         )
@@ -351,14 +356,17 @@ class Graph:
             unit,
         )
         self._link(carries, bouts)
-        return carries, EqnRec("while", subs={"cond": csub, "body": bsub}, carries=carries)
+        rec = EqnRec("while", subs={"cond": csub, "body": bsub}, carries=carries)
+        rec.operands = consts + carries
+        return carries, rec
 
     def _scan(self, eqn, ins, path, region, unit):
         p = eqn.params
         nconst, ncarry = p["num_consts"], p["num_carry"]
         body = p["jaxpr"]
-        consts, init, xs = ins[:nconst], ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
+        init, xs = ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
         process = not region and unit is None
+        consts = self._consts(eqn.invars[:nconst], ins[:nconst], path, process, unit)
         inner_in = jc.open_jaxpr(body).invars
         carries = self._structural(
             "<carry>",
@@ -384,6 +392,13 @@ class Graph:
         )
         self._link(carries, bouts[:ncarry])
         self._link(ynodes, bouts[ncarry:])
-        return carries + ynodes, EqnRec(
-            "scan", subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes
-        )
+        rec = EqnRec("scan", subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
+        rec.operands = consts + carries + xnodes
+        return carries + ynodes, rec
+
+    def _consts(self, atoms, sources, path, process, unit):
+        """Loop-invariant operands enter through a clear node (TF's v1 ``Enter``), so a weight
+        used only by half-precision ops in the body is cast once, before the loop."""
+        nodes = self._structural("<const>", f"{path}/const", [a.aval for a in atoms], process, unit)
+        self._link(nodes, sources)
+        return nodes

@@ -1,0 +1,381 @@
+"""``explain``: what the rewrite did to a program, equation by equation.
+
+TF offered a VLOG dump and ``paintbuckets_*.txt``; this is the readable version: for every
+equation (sub-jaxprs included) the list it is on, the colour it was painted, the pass that
+painted it, its dtypes before and after, the casts inserted and where, and totals (equations
+converted, casts, the share of matmul/conv FLOPs in half precision, the bytes of values saved
+for the backward pass).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
+
+#: Colours of the HTML report, one per list (and a strong tint for half precision).
+LIST_COLOURS = {
+    "allow": "#b7e1a1",
+    "infer": "#fff2a8",
+    "deny": "#f4a6a6",
+    "clear": "#cfe2f3",
+    "unlisted": "#e6e6e6",
+}
+HALF_COLOUR = "#6aa84f"
+
+_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+@dataclasses.dataclass(frozen=True)
+class EquationReport:
+    """One equation (or loop carry / cond output / scan stream) of an explained program.
+
+    Attributes:
+      path: location, e.g. ``scan/body/dot_general``.
+      primitive: primitive name (``<carry>``, ``<cond-output>``, ``<xs>``, ``<ys>`` for
+        structural vertices).
+      list: the list of the equation's key for this dtype (``unlisted`` if on none).
+      colour: ``allow`` (runs in half precision), ``deny`` or ``float32``.
+      painted_by: the TF pass that decided the colour, or None.
+      in_dtypes: float input dtypes before the rewrite.
+      in_dtypes_after: float input dtypes as the rewritten equation runs.
+      out_dtypes: output dtypes before.
+      out_dtypes_after: output dtypes after.
+      flops: multiply-add FLOPs x2 for dot_general / conv equations (times the enclosing
+        ``scan`` lengths), else 0.
+    """
+
+    path: str
+    primitive: str
+    list: str
+    colour: str
+    painted_by: str | None
+    in_dtypes: tuple[str, ...]
+    in_dtypes_after: tuple[str, ...]
+    out_dtypes: tuple[str, ...]
+    out_dtypes_after: tuple[str, ...]
+    flops: int = 0
+
+    @property
+    def half(self) -> bool:
+        return self.colour == "allow"
+
+
+@dataclasses.dataclass(frozen=True)
+class CastReport:
+    """A cast the rewrite inserted: where (the consumer), of what, from and to which dtype."""
+
+    where: str
+    value: str
+    from_dtype: str
+    to_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The result of :func:`explain`.
+
+    Attributes:
+      dtype: the half-precision dtype of the rewrite.
+      changed: False when the program has no allowlist op and is left unchanged.
+      equations: one :class:`EquationReport` per vertex, in program order.
+      casts: the casts inserted (:class:`CastReport`), in program order.
+      residual_bytes_float32: bytes of values saved for the backward pass by the original
+        program (None when the function is not differentiable in its float inputs).
+      residual_bytes_rewritten: the same for the rewritten program.
+    """
+
+    dtype: str
+    changed: bool
+    equations: tuple[EquationReport, ...]
+    casts: tuple[CastReport, ...]
+    residual_bytes_float32: int | None
+    residual_bytes_rewritten: int | None
+
+    # -- totals ---------------------------------------------------------------------------
+
+    @property
+    def converted(self) -> list[EquationReport]:
+        """Equations (not structural vertices) that run in half precision."""
+        return [e for e in self.equations if e.half and not e.primitive.startswith("<")]
+
+    @property
+    def total(self) -> int:
+        """Equations (not structural vertices) in the program."""
+        return sum(1 for e in self.equations if not e.primitive.startswith("<"))
+
+    @property
+    def half_flops_share(self) -> float:
+        """Share of dot_general/conv FLOPs that run in half precision (1.0 if none)."""
+        total = sum(e.flops for e in self.equations)
+        return 1.0 if total == 0 else sum(e.flops for e in self.equations if e.half) / total
+
+    def per_primitive(self) -> dict[str, dict[str, int]]:
+        """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
+        out: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"half": 0, "float32": 0})
+        for e in self.equations:
+            out[e.primitive]["half" if e.half else "float32"] += 1
+        return dict(sorted(out.items()))
+
+    def summary(self) -> str:
+        """A few lines of totals."""
+        lines = [
+            f"dtype: {self.dtype}" + ("" if self.changed else " (no allowlist op: unchanged)"),
+            f"equations in half precision: {len(self.converted)} / {self.total}",
+            f"casts inserted: {len(self.casts)}",
+            f"matmul/conv FLOPs in half precision: {100 * self.half_flops_share:.1f}%",
+        ]
+        if self.residual_bytes_float32 is not None:
+            lines.append(
+                "bytes saved for the backward pass: "
+                f"{self.residual_bytes_float32:,} (float32) -> "
+                f"{self.residual_bytes_rewritten:,} (rewritten)"
+            )
+        return "\n".join(lines)
+
+    # -- rendering ------------------------------------------------------------------------
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = [("path", "list", "colour", "pass", "dtypes in", "dtypes out")]
+        for e in self.equations:
+            rows.append(
+                (
+                    e.path,
+                    e.list,
+                    "half" if e.half else e.colour,
+                    e.painted_by or "",
+                    _arrow(e.in_dtypes, e.in_dtypes_after),
+                    _arrow(e.out_dtypes, e.out_dtypes_after),
+                )
+            )
+        return rows
+
+    def __str__(self) -> str:
+        rows = self._rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        table = "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+        casts = "\n".join(
+            f"  {c.where}: {c.value} {c.from_dtype} -> {c.to_dtype}" for c in self.casts
+        )
+        return f"{self.summary()}\n\n{table}\n\ncasts inserted:\n{casts or '  none'}"
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._rows()[0])
+        body = []
+        for e, row in zip(self.equations, self._rows()[1:], strict=True):
+            colour = HALF_COLOUR if e.half else LIST_COLOURS.get(e.list, "#ffffff")
+            style = f"background:{colour}" + (";color:white;font-weight:bold" if e.half else "")
+            cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
+            title = html.escape(f"{e.list} op, painted by {e.painted_by or 'no pass'}")
+            body.append(f'<tr style="{style}" title="{title}">{cells}</tr>')
+        legend = " ".join(
+            f'<span style="background:{c};padding:0 6px">{k}</span>'
+            for k, c in [("half precision", HALF_COLOUR), *LIST_COLOURS.items()]
+        )
+        summary = html.escape(self.summary()).replace("\n", "<br>")
+        return (
+            f"<div><p>{summary}</p><p>{legend}</p>"
+            f'<table style="font-family:monospace;font-size:12px;border-collapse:collapse">'
+            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+            f"<p>{len(self.casts)} casts inserted</p></div>"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-serialisable data."""
+        return {
+            "dtype": self.dtype,
+            "changed": self.changed,
+            "totals": {
+                "equations": self.total,
+                "converted": len(self.converted),
+                "casts": len(self.casts),
+                "half_flops_share": self.half_flops_share,
+                "residual_bytes_float32": self.residual_bytes_float32,
+                "residual_bytes_rewritten": self.residual_bytes_rewritten,
+            },
+            "per_primitive": self.per_primitive(),
+            "equations": [dataclasses.asdict(e) for e in self.equations],
+            "casts": [dataclasses.asdict(c) for c in self.casts],
+        }
+
+
+def _arrow(before: tuple[str, ...], after: tuple[str, ...]) -> str:
+    b, a = ",".join(before), ",".join(after)
+    return b if a == b else f"{b} -> {a}"
+
+
+def _short(dtype: Any) -> str:
+    return str(np.dtype(dtype))
+
+
+def _flops(eqn: Any) -> int:
+    name = eqn.primitive.name
+    if name not in _MATMUL_PRIMITIVES:
+        return 0
+    out = eqn.outvars[0].aval
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+        per_output = rhs.shape[spec[1]] * math.prod(rhs.shape[d] for d in spec[2:])
+        return 2 * math.prod(out.shape) * per_output
+    lhs = eqn.invars[0].aval
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)
+
+
+def _trip_counts(graph: Graph) -> dict[int, int]:
+    """Node id -> product of enclosing scan lengths."""
+    counts: dict[int, int] = {}
+
+    def visit(scope: Any, mult: int) -> None:
+        for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
+            if rec.node is not None:
+                counts[rec.node] = mult
+            inner = mult * eqn.params["length"] if rec.kind == "scan" else mult
+            for sub in rec.subs.values():
+                for s in sub if isinstance(sub, list) else [sub]:
+                    visit(s, inner)
+
+    visit(graph.top, 1)
+    return counts
+
+
+def _equation(n: Node, colour: str, painted_by: str | None, half: str, trips: int):
+    if n.eqn is None:  # structural vertex: a carry, cond output or scan stream
+        dt = "float32" if n.float32 else "float"
+        after = half if colour == "allow" else dt
+        return EquationReport(
+            n.path, n.key, n.listed_kind, colour, painted_by, (dt,), (after,), (dt,), (after,)
+        )
+    eqn = n.eqn
+    to_half = colour == "allow"
+    ins = [a.aval.dtype for a in eqn.invars if is_float(a.aval.dtype)]
+    outs = [v.aval.dtype for v in eqn.outvars]
+
+    def after(d: Any) -> str:
+        return half if to_half and is_f32(d) else _short(d)
+
+    out_after = [after(d) for d in outs]
+    if eqn.primitive.name == "convert_element_type" and to_half:
+        ins_after = [_short(d) for d in ins]  # a retargeted cast takes its input as it is
+    else:
+        ins_after = [after(d) for d in ins]
+    return EquationReport(
+        path=n.path,
+        primitive=eqn.primitive.name if not n.key.startswith("jit:") else n.key,
+        list=n.listed_kind,
+        colour=colour,
+        painted_by=painted_by,
+        in_dtypes=tuple(_short(d) for d in ins),
+        in_dtypes_after=tuple(ins_after),
+        out_dtypes=tuple(_short(d) for d in outs),
+        out_dtypes_after=tuple(out_after),
+        flops=_flops(eqn) * trips,
+    )
+
+
+def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> int | None:
+    def residuals(*a: Any) -> Any:
+        _, vjp_fn = jax.vjp(lambda *d: fun(*d, **kwargs), *a)
+        return jax.tree.leaves(vjp_fn)
+
+    try:
+        shapes = jax.eval_shape(residuals, *args)
+    except Exception:  # not differentiable (ints, a whole train step, ...): no figure
+        return None
+    return int(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in shapes))
+
+
+def explain(
+    fun: Callable[..., Any],
+    *args: Any,
+    dtype: Any = None,
+    lists: Any = None,
+    level: str | None = None,
+    infer_follows_allow: bool = True,
+    **kwargs: Any,
+) -> Report:
+    """Explains what :func:`jmp_rewrite.rewrite` does to ``fun`` at these arguments.
+
+    Nothing is executed: the function is traced (``args`` may be ``jax.ShapeDtypeStruct``),
+    painted and re-emitted abstractly.
+
+    Args:
+      fun: the function, as for :func:`jmp_rewrite.rewrite`.
+      *args: example arguments.
+      dtype: ``jnp.float16`` or ``jnp.bfloat16``; None picks by platform and falls back to
+        float16 where the platform has no fast half precision (so the report on a CPU shows
+        what a GPU would run).
+      lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
+      level: as in :func:`jmp_rewrite.rewrite`.
+      infer_follows_allow: as in :func:`jmp_rewrite.rewrite`.
+      **kwargs: example keyword arguments.
+
+    Returns:
+      A :class:`Report`: ``print`` it for a table, display it in a notebook for a coloured
+      program, or ``report.to_dict()`` for JSON.
+
+    Raises:
+      ValueError: if ``dtype`` is not float16, bfloat16 or None.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import jmp_rewrite
+      >>> r = jmp_rewrite.explain(lambda w, x: jnp.tanh(x @ w).sum(), jnp.ones((4, 4)),
+      ...                         jnp.ones((2, 4)), dtype=jnp.float16)
+      >>> len(r.converted), r.total, r.half_flops_share
+      (2, 3, 1.0)
+    """
+    if dtype is None:
+        dtype = rewrite_lib.platform_dtype() or jnp.float16
+    fn = rewrite_lib.rewrite(
+        fun, dtype=dtype, lists=lists, level=level, infer_follows_allow=infer_follows_allow
+    )
+    entry, flat = fn.trace(*args, **kwargs)
+    half = _short(entry.config.dtype)
+    graph, painting = entry.graph, entry.painting
+    trips = _trip_counts(graph)
+    equations = []
+    for n in graph.nodes:
+        colour = painting.colour(n.id) if painting.changed else "float32"
+        by = painting.painted_by.get(n.id) if painting.changed else None
+        equations.append(_equation(n, colour, by, half, trips.get(n.id, 1)))
+    casts: list[tuple[str, str, str, str]] = []
+    if painting.changed:
+        emitter = Emitter(graph, painting, entry.config.dtype, entry.config.options)
+        emitter.cast_log = casts
+        inner = jc.open_jaxpr(entry.closed)
+
+        def emit(*a: Any) -> list[Any]:
+            outs = emitter.run(graph.top, jc.consts_of(entry.closed), a)
+            return [
+                emitter.cast(o, v.aval.dtype, "<outputs>")
+                for o, v in zip(outs, inner.outvars, strict=True)
+            ]
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inner.invars]
+        jax.make_jaxpr(emit)(*avals)
+    before = _residual_bytes(fun, args, kwargs)
+    after = _residual_bytes(fn, args, kwargs) if before is not None else None
+    return Report(
+        dtype=half,
+        changed=painting.changed,
+        equations=tuple(equations),
+        casts=tuple(CastReport(*c) for c in casts),
+        residual_bytes_float32=before,
+        residual_bytes_rewritten=after,
+    )

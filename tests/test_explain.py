@@ -1,0 +1,113 @@
+"""explain(): the per-equation report, totals, casts, and its three renderings."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_rewrite as jr
+
+W1 = 0.1 * jnp.ones((8, 16))
+W2 = 0.1 * jnp.ones((16, 16))
+X = jnp.ones((4, 8))
+
+
+def loss(params, x):
+    h = jnp.tanh(x @ params[0])
+    h, _ = jax.lax.scan(lambda c, _: (jax.nn.relu(c @ params[1]), None), h, None, length=3)
+    return jnp.mean(h**2)
+
+
+def test_report_rows_dtypes_and_passes():
+    r = jr.explain(loss, [W1, W2], X, dtype=jnp.float16)
+    assert r.dtype == "float16" and r.changed
+    by_path = {e.path: e for e in r.equations}
+    dot = by_path["dot_general"]
+    assert dot.list == "allow" and dot.half and dot.painted_by == "add_allowlist_ops"
+    assert dot.in_dtypes == ("float32", "float32") and dot.in_dtypes_after == ("float16",) * 2
+    assert dot.out_dtypes_after == ("float16",)
+    tanh = by_path["tanh"]
+    assert tanh.half and tanh.painted_by == "add_clear_and_infer_to_allow_if_between_allow"
+    assert by_path["scan/body/dot_general"].half
+    assert by_path["scan/const"].half  # the weight enters the loop once, in half precision
+    total = by_path["reduce_sum"]
+    assert not total.half and total.colour == "deny" and total.out_dtypes_after == ("float32",)
+
+
+def test_totals():
+    r = jr.explain(loss, [W1, W2], X, dtype=jnp.float16)
+    # dot, tanh, scan-body dot, relu's max are half; x**2, sum and the mean's div are not
+    assert (len(r.converted), r.total) == (4, 7)
+    assert r.half_flops_share == 1.0
+    first = [e for e in r.equations if e.path == "dot_general"][0]
+    assert first.flops == 2 * 4 * 16 * 8
+    body = [e for e in r.equations if e.path == "scan/body/dot_general"][0]
+    assert body.flops == 3 * 2 * 4 * 16 * 16  # times the scan length
+    # casts: x and W1 before the first matmul, W2 once before the scan, the square's input
+    assert [(c.where, c.from_dtype, c.to_dtype) for c in r.casts] == [
+        ("dot_general", "float32", "float16"),
+        ("dot_general", "float32", "float16"),
+        ("scan", "float32", "float16"),
+        ("integer_pow", "float16", "float32"),
+    ]
+    per = r.per_primitive()
+    assert per["dot_general"] == {"half": 2, "float32": 0}
+    assert per["reduce_sum"] == {"half": 0, "float32": 1}
+    assert r.residual_bytes_rewritten < r.residual_bytes_float32
+
+
+def test_removing_dot_general_from_allow_leaves_the_program_alone():
+    def f(a, b):
+        return jnp.exp(a @ b).sum()
+
+    lists = jr.default_lists(jnp.float16).remove(allow=["dot_general"])
+    r = jr.explain(f, X, W1, dtype=jnp.float16, lists=lists)
+    assert not r.changed and r.half_flops_share == 0.0 and r.casts == ()
+
+
+def test_no_allowlist_op():
+    r = jr.explain(lambda x: jnp.exp(x).sum(), X, dtype=jnp.bfloat16)
+    assert not r.changed and len(r.converted) == 0 and "unchanged" in r.summary()
+
+
+def test_renderings():
+    r = jr.explain(loss, [W1, W2], X, dtype=jnp.bfloat16)
+    text = str(r)
+    assert "scan/body/dot_general" in text and "float32 -> bfloat16" in text
+    # bf16 lists: Sum/Mean and Square are infer (TF oneDNN), so the whole loss is bf16
+    assert "equations in half precision: 7 / 7" in text
+    html = r._repr_html_()
+    assert html.count("<tr") == len(r.equations) + 1
+    assert "#6aa84f" in html and "add_allowlist_ops" in html  # half colour, pass on hover
+    data = json.loads(json.dumps(r.to_dict()))
+    assert data["totals"]["converted"] == 7 and data["dtype"] == "bfloat16"
+    assert len(data["equations"]) == len(r.equations) and len(data["casts"]) == len(r.casts)
+
+
+def test_train_step_has_no_residual_figure_and_abstract_inputs_work():
+    def step(params, x):
+        g = jax.grad(loss)(params, x)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+
+    spec = jax.ShapeDtypeStruct
+    r = jr.explain(
+        step,
+        [spec((8, 16), jnp.float32), spec((16, 16), jnp.float32)],
+        spec((4, 8), jnp.float32),
+        dtype=jnp.float16,
+    )
+    assert r.half_flops_share == 1.0
+    dots = [e for e in r.equations if e.primitive == "dot_general"]
+    assert len(dots) >= 5 and all(e.half for e in dots)
+    assert r.residual_bytes_float32 is not None  # params are differentiable floats
+
+
+def test_default_dtype_on_cpu_is_float16():
+    assert jr.explain(loss, [W1, W2], X).dtype == "float16"
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="bfloat16"):
+        jr.explain(loss, [W1, W2], X, dtype=np.float64)
