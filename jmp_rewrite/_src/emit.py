@@ -92,8 +92,18 @@ class Emitter:
 
     # -- evaluation ----------------------------------------------------------------------
 
-    def run(self, scope: ScopeRec, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        """Evaluates one jaxpr instance on ``consts + args`` in the current trace."""
+    def run(
+        self,
+        scope: ScopeRec,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        out_dtypes: Sequence[Any] | None = None,
+    ) -> list[Any]:
+        """Evaluates one jaxpr instance on ``consts + args`` in the current trace.
+
+        With ``out_dtypes``, outputs are cast to them (through the same cast cache as the
+        equations, so a value cast for a consumer is not cast again for the output).
+        """
         jaxpr = scope.jaxpr
         env: dict[Any, Any] = {}
         casts: dict[tuple[int, Any], Any] = {}
@@ -130,7 +140,10 @@ class Emitter:
             for var, val in zip(eqn.outvars, outs, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = val
-        return [read(a) for a in jaxpr.outvars]
+        self._where = f"{scope.path}<outputs>"
+        if out_dtypes is None:
+            return [read(a) for a in jaxpr.outvars]
+        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
 
     def trace(
         self,
@@ -142,13 +155,14 @@ class Emitter:
         """A closed jaxpr for ``scope`` at ``in_avals``; outputs cast to ``out_dtypes``."""
 
         def fun(*args: Any) -> list[Any]:
-            outs = self.run(scope, consts, args)
-            if out_dtypes is not None:
-                where = f"{scope.path}<outputs>"
-                outs = [self.cast(o, d, where) for o, d in zip(outs, out_dtypes, strict=True)]
-            return outs
+            return self.run(scope, consts, args, out_dtypes)
 
         return jax.make_jaxpr(fun)(*in_avals)
+
+    def _wanted(self, atom: Any, nodes: list[int]) -> Any:
+        """The dtype every reader of a call operand wants, or None (pass it as it is)."""
+        wanted = {self._target(n, atom.aval.dtype) for n in nodes}
+        return wanted.pop() if len(wanted) == 1 else None
 
     def _path(self, scope: ScopeRec, eqn: Any, rec: EqnRec) -> str:
         if rec.node is not None:
@@ -169,6 +183,11 @@ class Emitter:
             invals = [
                 read(a) if n is None else read(a, self._target(n, a.aval.dtype))
                 for a, n in zip(eqn.invars, rec.operands, strict=True)
+            ]
+        elif rec.operand_consumers:
+            invals = [
+                read(a, self._wanted(a, nodes))
+                for a, nodes in zip(eqn.invars, rec.operand_consumers, strict=True)
             ]
         else:
             invals = [read(a) for a in eqn.invars]

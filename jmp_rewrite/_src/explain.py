@@ -361,11 +361,8 @@ def explain(
         inner = jc.open_jaxpr(entry.closed)
 
         def emit(*a: Any) -> list[Any]:
-            outs = emitter.run(graph.top, jc.consts_of(entry.closed), a)
-            return [
-                emitter.cast(o, v.aval.dtype, "<outputs>")
-                for o, v in zip(outs, inner.outvars, strict=True)
-            ]
+            out_dtypes = [v.aval.dtype for v in inner.outvars]
+            return emitter.run(graph.top, jc.consts_of(entry.closed), a, out_dtypes)
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inner.invars]
         jax.make_jaxpr(emit)(*avals)

@@ -104,6 +104,28 @@ def _has_jaxpr_param(eqn: Any) -> bool:
     return False
 
 
+def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
+    """For each operand of ``eqn``, the nodes that read it (see ``ScopeRec.consumers``)."""
+    n = len(eqn.invars)
+    if rec.kind == "leaf" and eqn.primitive.name == "convert_element_type":
+        return [[] for _ in range(n)]
+    if rec.kind in ("leaf", "opaque", "unit"):
+        return [[rec.node] for _ in range(n)]
+    if rec.kind in ("while", "scan"):
+        return [[] if node is None else [node] for node in rec.operands]
+    if rec.kind == "call":
+        sub = rec.subs["body"]
+        return [sub.consumers.get(v, []) for v in sub.jaxpr.invars]
+    if rec.kind == "cond":
+        out: list[list[int]] = [[]]
+        for i in range(n - 1):
+            out.append(
+                [c for b in rec.subs["branches"] for c in b.consumers.get(b.jaxpr.invars[i], [])]
+            )
+        return out
+    return [[] for _ in range(n)]
+
+
 @dataclasses.dataclass
 class Node:
     """One vertex of the painting graph.
@@ -149,6 +171,8 @@ class EqnRec:
     #: while/scan: per operand, the structural node whose dtype it is passed in (loop
     #: consts, carries' initial values, xs), or None to pass it as it is.
     operands: list[int | None] = dataclasses.field(default_factory=list)
+    #: call/cond: per operand, the nodes inside that read it (see ``ScopeRec.consumers``).
+    operand_consumers: list[list[int]] = dataclasses.field(default_factory=list)
     xs: list[int | None] = dataclasses.field(default_factory=list)
     ys: list[int | None] = dataclasses.field(default_factory=list)
 
@@ -160,6 +184,10 @@ class ScopeRec:
     path: str
     jaxpr: Any
     eqns: list[EqnRec] = dataclasses.field(default_factory=list)
+    #: For each float input var of the jaxpr, the nodes that read it (looking through
+    #: nested calls and conds; casts excluded, as they take any dtype). A call site passes
+    #: an operand in the dtype all of them want, so the cast is made once, outside.
+    consumers: dict[Any, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class Graph:
@@ -219,6 +247,8 @@ class Graph:
         env: dict[Any, int | None] = {}
         for var, src in zip([*jaxpr.constvars, *jaxpr.invars], in_sources, strict=True):
             env[var] = src
+            if is_float(var.aval.dtype):
+                rec.consumers[var] = []
 
         def source(atom: Any) -> int | None:
             if jc.is_literal(atom) or not is_float(atom.aval.dtype):
@@ -267,6 +297,12 @@ class Graph:
                 if not jc.is_drop_var(var):
                     env[var] = src
             rec.eqns.append(erec)
+            operand_consumers = _operand_consumers(eqn, erec)
+            if erec.kind in ("call", "cond"):
+                erec.operand_consumers = operand_consumers
+            for atom, nodes in zip(eqn.invars, operand_consumers, strict=True):
+                if not jc.is_literal(atom) and atom in rec.consumers:
+                    rec.consumers[atom].extend(nodes)
         return rec, [source(a) for a in jaxpr.outvars]
 
     @staticmethod

@@ -126,6 +126,8 @@ def resolve_config(
             level = os.environ.get(op_lists_lib.ENV_LEVEL, "")
         lists = op_lists_lib.apply_level(lists, level, dt)
     level = op_lists_lib.canonical_level(level)
+    # TF <= 2.19 ran pass 4 in BF16 mode only, so turning it off affects float16 alone.
+    infer_follows_allow = bool(infer_follows_allow) or dt == np.dtype(jnp.bfloat16)
     return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", bool(infer_follows_allow))
 
 
@@ -143,15 +145,8 @@ class Rewritten:
         if self.painting is None or not self.painting.changed:
             return jc.eval_jaxpr(self.closed, *flat_args)
         emitter = Emitter(self.graph, self.painting, self.config.dtype, self.config.options)
-        outs = emitter.run(self.graph.top, jc.consts_of(self.closed), flat_args)
-        inner = jc.open_jaxpr(self.closed)
-        return [_restore(o, v.aval.dtype) for o, v in zip(outs, inner.outvars, strict=True)]
-
-
-def _restore(value: Any, dtype: Any) -> Any:
-    if jnp.result_type(value) == np.dtype(dtype):
-        return value
-    return jax.lax.convert_element_type(value, dtype)
+        out_dtypes = [v.aval.dtype for v in jc.open_jaxpr(self.closed).outvars]
+        return emitter.run(self.graph.top, jc.consts_of(self.closed), flat_args, out_dtypes)
 
 
 def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Painting | None]:
