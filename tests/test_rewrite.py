@@ -532,3 +532,17 @@ def test_shard_map_and_shardings_on_eight_devices():
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().endswith("OK")
+
+
+def test_typed_prng_keys_pass_through():
+    w = _rand(4, 4)
+
+    def f(key, x):
+        mask = jax.random.bernoulli(key, 0.5, x.shape)
+        noise = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(1), 3), x.shape)
+        return jnp.tanh(jnp.where(mask, x, 0.0) @ w) @ w + noise
+
+    key, x = jax.random.key(0), _rand(2, 4)
+    for g in (jr.rewrite(f, dtype=jnp.float16), jax.jit(jr.rewrite(f, dtype=jnp.float16))):
+        np.testing.assert_allclose(g(key, x), f(key, x), rtol=1e-2, atol=1e-2)
+    assert jr.explain(f, key, x, dtype=jnp.float16).half_flops_share == 1.0

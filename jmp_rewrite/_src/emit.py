@@ -72,7 +72,7 @@ class Emitter:
 
     def _log(self, where: str, what: str, src: Any, dst: Any) -> None:
         if self.cast_log is not None:
-            self.cast_log.append((where, what, str(np.dtype(src)), str(np.dtype(dst))))
+            self.cast_log.append((where, what, str(src), str(np.dtype(dst))))
 
     def cast(self, value: Any, dtype: Any, where: str, what: str = "") -> Any:
         """``_cast``, recorded in :attr:`cast_log` when it inserts a cast."""
@@ -88,7 +88,7 @@ class Emitter:
 
     def _target(self, node: int | None, dtype: Any) -> Any:
         """The dtype a value of original ``dtype`` takes at a node painted as ``node``."""
-        return self.half if self._is_half(node) and is_f32(dtype) else np.dtype(dtype)
+        return self.half if self._is_half(node) and is_f32(dtype) else dtype
 
     # -- evaluation ----------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ class Emitter:
         def read(atom: Any, dtype: Any = None) -> Any:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
-                if dtype is not None and np.dtype(dtype) != np.dtype(atom.aval.dtype):
+                if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
                     return np.asarray(val, dtype=dtype)
                 return val
             val = env[atom]
@@ -277,7 +277,7 @@ class Emitter:
 
     def _custom(self, eqn: Any, scope: ScopeRec, consts: list[Any], invals: list[Any]):
         """Re-wraps a custom derivative so its rule runs as written, in the original dtypes."""
-        orig_in = [np.dtype(a.aval.dtype) for a in eqn.invars]
+        orig_in = [a.aval.dtype for a in eqn.invars]
 
         def body(*args: Any) -> tuple[Any, ...]:
             return tuple(self.run(scope, consts, args))
@@ -314,7 +314,7 @@ class Emitter:
             return out, vjp_fn
 
         def bwd(vjp_fn, cts):
-            orig_out = [np.dtype(v.aval.dtype) for v in eqn.outvars]
+            orig_out = [v.aval.dtype for v in eqn.outvars]
             grads = vjp_fn([_cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
             return tuple(
                 _cast(g, d) if is_float(d) else None for g, d in zip(grads, in_dtypes, strict=True)
@@ -450,5 +450,5 @@ def rewrite_closed(
     ]
     consts = jc.consts_of(closed)
     if out_dtypes is None:
-        out_dtypes = [np.dtype(v.aval.dtype) for v in inner.outvars]
+        out_dtypes = [v.aval.dtype for v in inner.outvars]
     return emitter.trace(graph.top, consts, in_avals, out_dtypes)

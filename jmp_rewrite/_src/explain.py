@@ -219,7 +219,7 @@ def _arrow(before: tuple[str, ...], after: tuple[str, ...]) -> str:
 
 
 def _short(dtype: Any) -> str:
-    return str(np.dtype(dtype))
+    return str(dtype)
 
 
 def _flops(eqn: Any) -> int:

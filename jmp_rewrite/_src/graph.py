@@ -60,7 +60,7 @@ def is_float(dtype: Any) -> bool:
 
 
 def is_f32(dtype: Any) -> bool:
-    return np.dtype(dtype) == np.float32
+    return is_float(dtype) and np.dtype(dtype) == np.float32
 
 
 def unit_name(jit_name: str) -> str:

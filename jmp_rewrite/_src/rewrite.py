@@ -161,7 +161,7 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
 
 def _aval_key(x: Any) -> Any:
     t = jax.typeof(x)
-    return (t.shape, np.dtype(t.dtype), t.weak_type)
+    return (t.shape, t.dtype, t.weak_type)
 
 
 class _RewrittenFunction:
