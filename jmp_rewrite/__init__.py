@@ -5,11 +5,98 @@ Public names only; the implementation lives in ``jmp_rewrite._src``, which is pr
 
 from importlib.metadata import PackageNotFoundError, version
 
+from jmp_rewrite._src.explain import CastReport as CastReport
+from jmp_rewrite._src.explain import EquationReport as EquationReport
+from jmp_rewrite._src.explain import Report as Report
+from jmp_rewrite._src.explain import explain as explain
+from jmp_rewrite._src.op_lists import LEVELS as LEVELS
+from jmp_rewrite._src.op_lists import OpLists as OpLists
+from jmp_rewrite._src.op_lists import default_lists as default_lists
+from jmp_rewrite._src.op_lists import lists_from_environment as lists_from_environment
 from jmp_rewrite._src.regions import float32_region as float32_region
+from jmp_rewrite._src.rewrite import EquationPaint as EquationPaint
+from jmp_rewrite._src.rewrite import PaintResult as PaintResult
+from jmp_rewrite._src.rewrite import paint_program as paint
+from jmp_rewrite._src.rewrite import platform_dtype as platform_dtype
+from jmp_rewrite._src.rewrite import rewrite as rewrite
+from jmp_rewrite._src.rewrite import rewrite_jaxpr as rewrite_jaxpr
+from jmp_rewrite._src.seed import (
+    disable_mixed_precision_graph_rewrite as disable_mixed_precision_graph_rewrite,
+)
+from jmp_rewrite._src.seed import (
+    enable_mixed_precision_graph_rewrite as enable_mixed_precision_graph_rewrite,
+)
+from jmp_rewrite._src.seed import (
+    mixed_precision_graph_rewrite_enabled as mixed_precision_graph_rewrite_enabled,
+)
 
 try:
     __version__ = version("jmp_rewrite")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
-__all__ = ("float32_region",)
+__all__ = (
+    "LEVELS",
+    "CastReport",
+    "EquationReport",
+    "Report",
+    "explain",
+    "EquationPaint",
+    "OpLists",
+    "PaintResult",
+    "default_lists",
+    "disable_mixed_precision_graph_rewrite",
+    "enable_mixed_precision_graph_rewrite",
+    "float32_region",
+    "lists_from_environment",
+    "mixed_precision_graph_rewrite_enabled",
+    "paint",
+    "platform_dtype",
+    "rewrite",
+    "rewrite_jaxpr",
+)
+
+# --- loss scaling (begin) ---
+# Placed after ``__all__`` is first defined so that ``__all__ +=`` below works.
+from jmp_rewrite._src.loss_scale import (  # noqa: E402
+    DynamicLossScale,
+    FixedLossScale,
+)
+from jmp_rewrite._src.loss_scale_optimizer import (  # noqa: E402
+    LossScaleDebugState,
+    LossScaleOptimizerState,
+    MixedPrecisionLossScaleOptimizer,
+    all_finite,
+    get_loss_scale,
+    get_loss_scale_state,
+    is_loss_scale_optimizer,
+    last_step_applied,
+    loss_scale_optimizer,
+    non_finite_leaves,
+    scale_loss,
+    value_and_grad,
+)
+
+__all__ += (
+    "DynamicLossScale",
+    "FixedLossScale",
+    "LossScaleDebugState",
+    "LossScaleOptimizerState",
+    "MixedPrecisionLossScaleOptimizer",
+    "all_finite",
+    "get_loss_scale",
+    "get_loss_scale_state",
+    "is_loss_scale_optimizer",
+    "last_step_applied",
+    "loss_scale_optimizer",
+    "non_finite_leaves",
+    "scale_loss",
+    "value_and_grad",
+)
+# --- loss scaling (end) ---
+
+# --- compare (begin) ---
+from jmp_rewrite._src.compare import Comparison, Suggestion, compare  # noqa: E402
+
+__all__ += ("Comparison", "Suggestion", "compare")
+# --- compare (end) ---

@@ -101,7 +101,20 @@ def test_train_step_has_no_residual_figure_and_abstract_inputs_work():
     assert r.half_flops_share == 1.0
     dots = [e for e in r.equations if e.primitive == "dot_general"]
     assert len(dots) >= 5 and all(e.half for e in dots)
-    assert r.residual_bytes_float32 is not None  # params are differentiable floats
+    assert r.residual_bytes_float32 is None  # a train step: it already has its backward pass
+
+
+def test_float32_regions_are_left_out_of_the_flops_share():
+    w = jnp.ones((8, 8))
+
+    @jr.float32_region
+    def check(h):
+        return h @ w  # float32 by request
+
+    r = jr.explain(lambda x: check(jnp.tanh(x @ w)), jnp.ones((2, 8)), dtype=jnp.float16)
+    region = [e for e in r.equations if e.in_float32_region and e.primitive == "dot_general"]
+    assert len(region) == 1 and not region[0].half and region[0].flops > 0
+    assert r.half_flops_share == 1.0
 
 
 def test_default_dtype_on_cpu_is_float16():

@@ -55,6 +55,7 @@ class EquationReport:
       out_dtypes_after: output dtypes after.
       flops: multiply-add FLOPs x2 for dot_general / conv equations (times the enclosing
         ``scan`` lengths), else 0.
+      in_float32_region: inside a :func:`jmp_rewrite.float32_region` (never converted).
     """
 
     path: str
@@ -67,6 +68,7 @@ class EquationReport:
     out_dtypes: tuple[str, ...]
     out_dtypes_after: tuple[str, ...]
     flops: int = 0
+    in_float32_region: bool = False
 
     @property
     def half(self) -> bool:
@@ -118,9 +120,14 @@ class Report:
 
     @property
     def half_flops_share(self) -> float:
-        """Share of dot_general/conv FLOPs that run in half precision (1.0 if none)."""
-        total = sum(e.flops for e in self.equations)
-        return 1.0 if total == 0 else sum(e.flops for e in self.equations if e.half) / total
+        """Share of dot_general/conv FLOPs that run in half precision (1.0 if none).
+
+        Equations inside float32 regions (e.g. the loss-scale optimizer's update) are left
+        out: they are float32 by request, not by the painting.
+        """
+        eqs = [e for e in self.equations if not e.in_float32_region]
+        total = sum(e.flops for e in eqs)
+        return 1.0 if total == 0 else sum(e.flops for e in eqs if e.half) / total
 
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
@@ -255,6 +262,7 @@ def _trip_counts(graph: Graph) -> dict[int, int]:
 
 
 def _equation(n: Node, colour: str, painted_by: str | None, half: str, trips: int):
+    region = not n.process and n.unit is None
     if n.eqn is None:  # structural vertex: a carry, cond output or scan stream
         dt = "float32" if n.float32 else "float"
         after = half if colour == "allow" else dt
@@ -285,7 +293,13 @@ def _equation(n: Node, colour: str, painted_by: str | None, half: str, trips: in
         out_dtypes=tuple(_short(d) for d in outs),
         out_dtypes_after=tuple(out_after),
         flops=_flops(eqn) * trips,
+        in_float32_region=region,
     )
+
+
+def _has_backward_pass(graph: Graph) -> bool:
+    """Whether the program already differentiates something (a train step)."""
+    return any(n.eqn is not None and "transpose(" in jc.name_stack(n.eqn) for n in graph.nodes)
 
 
 def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> int | None:
@@ -307,6 +321,7 @@ def explain(
     lists: Any = None,
     level: str | None = None,
     infer_follows_allow: bool = True,
+    residuals: bool = True,
     **kwargs: Any,
 ) -> Report:
     """Explains what :func:`jmp_rewrite.rewrite` does to ``fun`` at these arguments.
@@ -323,6 +338,9 @@ def explain(
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`jmp_rewrite.rewrite`.
       infer_follows_allow: as in :func:`jmp_rewrite.rewrite`.
+      residuals: measure the bytes saved for the backward pass of ``fun`` (traces its VJP
+        twice). Skipped anyway when ``fun`` already contains a backward pass (a train
+        step), where the figure would describe differentiating the optimizer.
       **kwargs: example keyword arguments.
 
     Returns:
@@ -366,8 +384,10 @@ def explain(
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inner.invars]
         jax.make_jaxpr(emit)(*avals)
-    before = _residual_bytes(fun, args, kwargs)
-    after = _residual_bytes(fn, args, kwargs) if before is not None else None
+    before = after = None
+    if residuals and not _has_backward_pass(graph):
+        before = _residual_bytes(fun, args, kwargs)
+        after = _residual_bytes(fn, args, kwargs) if before is not None else None
     return Report(
         dtype=half,
         changed=painting.changed,
