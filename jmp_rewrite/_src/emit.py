@@ -116,7 +116,7 @@ class Emitter:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
                 if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
-                    return np.asarray(val, dtype=dtype)
+                    return _literal(val, dtype)
                 return val
             val = env[atom]
             if dtype is None or not is_float(atom.aval.dtype):
@@ -401,6 +401,18 @@ class Emitter:
             rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes
         )
         return _bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
+
+
+def _literal(value: Any, dtype: Any) -> Any:
+    """A float literal in ``dtype``, converted in place. A finite literal beyond the range of
+    ``dtype`` is clamped to its largest finite value rather than becoming infinite: such
+    constants are sentinels (``jnp.finfo(jnp.float32).min`` as an attention mask), and an
+    infinite mask turns a fully masked softmax row into NaN."""
+    value = np.asarray(value)
+    if jnp.issubdtype(dtype, jnp.floating) and np.all(np.isfinite(value)):
+        info = jnp.finfo(dtype)
+        value = np.clip(value, float(info.min), float(info.max))
+    return np.asarray(value, dtype=dtype)
 
 
 def _describe(atom: Any) -> str:

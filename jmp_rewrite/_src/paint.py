@@ -189,9 +189,13 @@ def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
 
 
 def inherit_unit_colours(g: Graph, p: Painting) -> None:
-    """A fused unit (``jit:log_softmax``...) runs whole in the colour of its node."""
+    """A fused unit (``jit:log_softmax``...) runs in the colour of its node.
+
+    Its deny pieces (the ``exp`` and ``reduce_sum`` of a log-softmax) keep float32 even when
+    the unit is half precision: TF's fused half kernels accumulate in float32 too.
+    """
     for n in g.nodes:
-        if n.unit is not None and n.float32 and n.unit in p.allow:
+        if n.unit is not None and n.float32 and n.unit in p.allow and n.listed_kind != DENY:
             p.allow.add(n.id)
             p.painted_by[n.id] = p.painted_by.get(n.unit, "unit")
 
