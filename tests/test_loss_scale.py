@@ -17,19 +17,7 @@ import jmp_rewrite as jr
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-@pytest.fixture(autouse=True)
-def _leak_check_only_where_asked(request):
-    """pyproject turns on ``jax_check_tracer_leaks`` for the suite. It disables JAX's caches,
-    so every eager op and every jit call recompiles (3-10x slower here). Tests in this module
-    run without it, except those that request the ``leak_checking`` fixture, which trace
-    every code path of the module under the check."""
-    with jax.check_tracer_leaks("leak_checking" in request.fixturenames):
-        yield
-
-
-@pytest.fixture
-def leak_checking():
-    """Marker fixture: run this test with ``jax_check_tracer_leaks`` on."""
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 
 
 def maybe_jit(jit: bool):

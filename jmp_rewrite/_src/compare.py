@@ -44,7 +44,15 @@ from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src.emit import Emitter
-from jmp_rewrite._src.graph import CALL_BODIES, EqnRec, Graph, Node, ScopeRec, is_float
+from jmp_rewrite._src.graph import (
+    CALL_BODIES,
+    EqnRec,
+    Graph,
+    Node,
+    ScopeRec,
+    has_jaxpr_param,
+    is_float,
+)
 from jmp_rewrite._src.paint import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
 
@@ -792,28 +800,7 @@ def _write(env: dict[Any, Any], outvars: Sequence[Any], values: Sequence[Any]) -
 
 def _reader(emitter: Emitter, env: dict[Any, Any]) -> Callable[..., Any]:
     """The Emitter's ``read``: a value, cast once per (value, dtype) when asked."""
-    casts: dict[tuple[int, Any], Any] = {}
-    keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
-
-    def read(atom: Any, dtype: Any = None) -> Any:
-        if jc.is_literal(atom):
-            val = jc.literal_value(atom)
-            if dtype is not None and np.dtype(dtype) != np.dtype(atom.aval.dtype):
-                return np.asarray(val, dtype=dtype)
-            return val
-        val = env[atom]
-        if dtype is None or not is_float(atom.aval.dtype):
-            return val
-        dtype = np.dtype(dtype)
-        if jnp.result_type(val) == dtype:
-            return val
-        key = (id(val), dtype)
-        if key not in casts:
-            keep.append(val)
-            casts[key] = jax.lax.convert_element_type(val, dtype)
-        return casts[key]
-
-    return read
+    return emitter.reader(env)
 
 
 def _cast(value: Any, dtype: Any) -> Any:
@@ -853,14 +840,6 @@ def _origins(graph: Graph, stats: dict[int, _Stats], attr: str) -> list[tuple[in
         if not any(earlier):
             found.append((s, node))
     return found
-
-
-def _holds_jaxpr(eqn: Any) -> bool:
-    for value in eqn.params.values():
-        values = value if type(value) is tuple else (value,)
-        if any(jc.is_any_jaxpr(v) for v in values):
-            return True
-    return False
 
 
 _TRANSFORM = re.compile(r"\b\w+\(")
@@ -917,7 +896,7 @@ def _suggest(
             )
             continue
         if node_id not in painting.allow:
-            if _holds_jaxpr(n.eqn):
+            if has_jaxpr_param(n.eqn):
                 why = "an equation holding jaxprs, whose bodies are rewritten separately"
             elif not n.fanin:
                 why = (

@@ -106,11 +106,29 @@ class Emitter:
         """
         jaxpr = scope.jaxpr
         env: dict[Any, Any] = {}
-        casts: dict[tuple[int, Any], Any] = {}
-        keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
-
         for var, val in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
             env[var] = val
+        read = self.reader(env)
+
+        for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True):
+            region = in_float32_region(jc.name_stack(eqn))
+            scope_cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else contextlib.nullcontext()
+            self._where = self._path(scope, eqn, rec)
+            with scope_cm:
+                outs = self._eqn(eqn, rec, read)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not jc.is_drop_var(var):
+                    env[var] = val
+        self._where = f"{scope.path}<outputs>"
+        if out_dtypes is None:
+            return [read(a) for a in jaxpr.outvars]
+        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
+
+    def reader(self, env: dict[Any, Any]) -> Any:
+        """``read(atom, dtype=None)`` over ``env``: the atom's value, cast to ``dtype`` at most
+        once per (value, dtype); float literals are converted in place."""
+        casts: dict[tuple[int, Any], Any] = {}
+        keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
 
         def read(atom: Any, dtype: Any = None) -> Any:
             if jc.is_literal(atom):
@@ -131,19 +149,7 @@ class Emitter:
                 self._log(self._where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
-        for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True):
-            region = in_float32_region(jc.name_stack(eqn))
-            scope_cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else contextlib.nullcontext()
-            self._where = self._path(scope, eqn, rec)
-            with scope_cm:
-                outs = self._eqn(eqn, rec, read)
-            for var, val in zip(eqn.outvars, outs, strict=True):
-                if not jc.is_drop_var(var):
-                    env[var] = val
-        self._where = f"{scope.path}<outputs>"
-        if out_dtypes is None:
-            return [read(a) for a in jaxpr.outvars]
-        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
+        return read
 
     def trace(
         self,

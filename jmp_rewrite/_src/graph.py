@@ -96,7 +96,8 @@ def eqn_is_float32(eqn: Any) -> bool:
     return bool(dtypes) and all(is_f32(d) for d in dtypes)
 
 
-def _has_jaxpr_param(eqn: Any) -> bool:
+def has_jaxpr_param(eqn: Any) -> bool:
+    """Whether an equation holds a jaxpr in its params (directly or in a tuple)."""
     for value in eqn.params.values():
         values = value if type(value) is tuple else (value,)
         if any(jc.is_any_jaxpr(v) for v in values):
@@ -277,12 +278,13 @@ class Graph:
             elif name == "scan":
                 out, erec = self._scan(eqn, ins, here, in_region, unit)
             else:
-                opaque = _has_jaxpr_param(eqn) and name not in SCATTER_REBUILDERS
-                convertible = not (_has_jaxpr_param(eqn) and name not in SCATTER_REBUILDERS)
+                # Other jaxpr-holding equations are opaque and keep their signature, except
+                # scatters, re-emitted at another dtype through jax.lax.
+                opaque = has_jaxpr_param(eqn) and name not in SCATTER_REBUILDERS
                 node = self._node(
                     key,
                     here,
-                    float32=eqn_is_float32(eqn) and convertible,
+                    float32=eqn_is_float32(eqn) and not opaque,
                     process=process,
                     unit=unit,
                     fanin=ins,

@@ -29,7 +29,8 @@ from jmp_rewrite._src.paint import Painting, paint
 F = TypeVar("F", bound=Callable[..., Any])
 
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-_ALLOWED_DTYPES_MSG = "jnp.float16, jnp.bfloat16 or None (pick by platform)"
+_HALF_DTYPES_MSG = "jnp.float16 or jnp.bfloat16"
+_ALLOWED_DTYPES_MSG = f"{_HALF_DTYPES_MSG} or None (pick by platform)"
 
 #: TF's kMinGPUArch: float16 only pays off on GPUs with tensor cores (compute capability 7.0).
 MIN_GPU_COMPUTE_CAPABILITY = (7, 0)
@@ -406,7 +407,7 @@ def rewrite_jaxpr(
             f"got {type(closed_jaxpr).__name__}"
         )
     if dtype is None:
-        raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_ALLOWED_DTYPES_MSG[:28]}")
+        raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_HALF_DTYPES_MSG}")
     config = resolve_config(dtype, lists, level, infer_follows_allow)
     graph, painting = analyse(closed_jaxpr, config)
     if painting is None or not painting.changed:
@@ -555,7 +556,7 @@ def paint_program(
       (['allow'], ['deny'])
     """
     if dtype is None:
-        raise ValueError(f"paint needs an explicit dtype: {_ALLOWED_DTYPES_MSG[:28]}")
+        raise ValueError(f"paint needs an explicit dtype: {_HALF_DTYPES_MSG}")
     fn = rewrite(
         fun,
         dtype=dtype,
