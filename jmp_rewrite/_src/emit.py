@@ -47,6 +47,10 @@ _SCATTER_FUNS = {
     "scatter-max": lax.scatter_max,
 }
 _DTYPE_PARAMS = ("preferred_element_type",)
+#: Sums painted half precision still accumulate in float32 (cast, sum, cast back when read
+#: in half), as ``jnp.sum`` does for half inputs and TF's fused half kernels do: a bfloat16
+#: accumulator stalls once the sum outgrows its 8 bits of mantissa.
+_ACCUMULATING = ("reduce_sum", "cumsum", "reduce_window_sum")
 
 
 def _avals_like(template_vars: Sequence[Any], values: Sequence[Any]) -> list[Any]:
@@ -61,11 +65,21 @@ def _avals_like(template_vars: Sequence[Any], values: Sequence[Any]) -> list[Any
 class Emitter:
     """Evaluates painted jaxpr scopes, inserting casts (see the module docstring)."""
 
-    def __init__(self, graph: Graph, painting: Painting, dtype: Any, options: dict[str, Any]):
+    def __init__(
+        self,
+        graph: Graph,
+        painting: Painting,
+        dtype: Any,
+        options: dict[str, Any],
+        trace_cache: dict[Any, Any] | None = None,
+    ):
         self.graph = graph
         self.painting = painting
         self.half = np.dtype(dtype)
         self.options = options
+        #: Rewritten bodies by (scope, input avals, output dtypes): reusing the same jaxpr
+        #: object lets ``jit`` hit its compilation cache on repeated eager calls.
+        self.trace_cache = trace_cache
         #: When a list, every cast inserted is recorded as (where, value, from, to).
         self.cast_log: list[tuple[str, str, str, str]] | None = None
         self._where = ""
@@ -163,7 +177,16 @@ class Emitter:
         def fun(*args: Any) -> list[Any]:
             return self.run(scope, consts, args, out_dtypes)
 
-        return jax.make_jaxpr(fun)(*in_avals)
+        if self.trace_cache is None or self.cast_log is not None:
+            return jax.make_jaxpr(fun)(*in_avals)
+        key = (
+            id(scope),
+            tuple((a.shape, str(a.dtype), a.weak_type) for a in in_avals),
+            None if out_dtypes is None else tuple(str(d) for d in out_dtypes),
+        )
+        if key not in self.trace_cache:
+            self.trace_cache[key] = jax.make_jaxpr(fun)(*in_avals)
+        return self.trace_cache[key]
 
     def _wanted(self, atom: Any, nodes: list[int]) -> Any:
         """The dtype every reader of a call operand wants, or None (pass it as it is)."""
@@ -211,6 +234,10 @@ class Emitter:
             if half:
                 params["new_dtype"] = self.half
             return _bind(eqn, [read(eqn.invars[0])], params)
+        if half and name in _ACCUMULATING:
+            # The float32 sum is kept: half-precision readers cast it (once), float32
+            # readers and outputs get it exactly.
+            return _bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
         invals = [read(a, self._target(node, a.aval.dtype)) for a in eqn.invars]
         params = dict(eqn.params)
         if half:

@@ -141,11 +141,14 @@ class Rewritten:
     painting: Painting | None
     config: RewriteConfig | None
     out_tree: Any
+    trace_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def emit(self, flat_args: Sequence[Any]) -> list[Any]:
         if self.painting is None or not self.painting.changed:
             return jc.eval_jaxpr(self.closed, *flat_args)
-        emitter = Emitter(self.graph, self.painting, self.config.dtype, self.config.options)
+        emitter = Emitter(
+            self.graph, self.painting, self.config.dtype, self.config.options, self.trace_cache
+        )
         out_dtypes = [v.aval.dtype for v in jc.open_jaxpr(self.closed).outvars]
         return emitter.run(self.graph.top, jc.consts_of(self.closed), flat_args, out_dtypes)
 
