@@ -280,11 +280,7 @@ def bf16_lists_with_float32_sums() -> Any:
     return jmp_rewrite.default_lists(BF16).move("reduce_sum", "deny")
 
 
-CASES = [
-    pytest.param(m, d, id=f"{m}-{d}")
-    for m in MODELS
-    for d in HALF
-]
+CASES = [pytest.param(m, d, id=f"{m}-{d}") for m in MODELS for d in HALF]
 ORDERS = ("grad(rewrite)", "rewrite(grad)")
 
 # ------------------------------------------------------------------------------------------
