@@ -42,7 +42,9 @@ def test_overflow_detected_at_the_equation_that_overflows():
     assert [e.overflow for e in c.find("dot_general") + c.find("mul")] == [0, 0]
     assert c.find("mul")[0].rel_error == 0.0
     assert c.first_exceeding is total
-    assert c.outputs[0].overflow == 1
+    # A half sum accumulates in float32; only its half readers see the overflow. The output
+    # reads the float32 sum, so the program's result is still right here.
+    assert c.outputs[0].overflow == 0
     (s,) = c.suggestions
     assert isinstance(s, jr.Suggestion)
     assert (s.key, s.path, s.to_list) == ("reduce_sum", "reduce_sum", "deny")

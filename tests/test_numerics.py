@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jaxpr_walk import all_eqns
 
 import jmp_rewrite
 
@@ -128,18 +128,6 @@ MODELS: dict[str, tuple[Callable[[nnx.Rngs], nnx.Module], tuple[int, ...], int, 
 # ------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------
-
-
-def all_eqns(jaxpr: Any) -> Iterator[Any]:
-    """Every equation of a (closed) jaxpr, recursing into params that hold jaxprs."""
-    if isinstance(jaxpr, jex_core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jex_core.ClosedJaxpr | jex_core.Jaxpr):
-                    yield from all_eqns(sub)
 
 
 def matmuls(jaxpr: Any) -> list[Any]:

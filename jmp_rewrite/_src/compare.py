@@ -43,7 +43,7 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
-from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.emit import ACCUMULATING, Emitter
 from jmp_rewrite._src.graph import (
     CALL_BODIES,
     EqnRec,
@@ -632,6 +632,9 @@ class _Recorder(Emitter):
         outs = super()._eqn(eqn, rec, read)
         if rec.kind in ("leaf", "opaque", "unit"):
             floats = [o for o, v in zip(outs, eqn.outvars, strict=True) if is_float(v.aval.dtype)]
+            if eqn.primitive.name in ACCUMULATING and self._is_half(rec.node):
+                # a half sum accumulates in float32; its readers see it cast to half
+                floats = [_cast(f, self.half) for f in floats]
             self._record(rec.node, floats)
         return outs
 

@@ -50,7 +50,7 @@ _DTYPE_PARAMS = ("preferred_element_type",)
 #: Sums painted half precision still accumulate in float32 (cast, sum, cast back when read
 #: in half), as ``jnp.sum`` does for half inputs and TF's fused half kernels do: a bfloat16
 #: accumulator stalls once the sum outgrows its 8 bits of mantissa.
-_ACCUMULATING = ("reduce_sum", "cumsum", "reduce_window_sum")
+ACCUMULATING = ("reduce_sum", "cumsum", "reduce_window_sum")
 
 
 def _avals_like(template_vars: Sequence[Any], values: Sequence[Any]) -> list[Any]:
@@ -234,7 +234,7 @@ class Emitter:
             if half:
                 params["new_dtype"] = self.half
             return _bind(eqn, [read(eqn.invars[0])], params)
-        if half and name in _ACCUMULATING:
+        if half and name in ACCUMULATING:
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
             return _bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
