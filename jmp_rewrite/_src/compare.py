@@ -43,7 +43,7 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
-from jmp_rewrite._src.emit import ACCUMULATING, Emitter
+from jmp_rewrite._src.emit import ACCUMULATING, Emitter, bind, cast
 from jmp_rewrite._src.graph import (
     CALL_BODIES,
     EqnRec,
@@ -634,7 +634,7 @@ class _Recorder(Emitter):
             floats = [o for o, v in zip(outs, eqn.outvars, strict=True) if is_float(v.aval.dtype)]
             if eqn.primitive.name in ACCUMULATING and self._is_half(rec.node):
                 # a half sum accumulates in float32; its readers see it cast to half
-                floats = [_cast(f, self.half) for f in floats]
+                floats = [cast(f, self.half) for f in floats]
             self._record(rec.node, floats)
         return outs
 
@@ -642,7 +642,7 @@ class _Recorder(Emitter):
         if not self.is_reference:
             return super()._opaque(eqn, read)
         # The float32 reference runs the equation as written (bodies not rewritten).
-        return _bind(eqn, [read(a) for a in eqn.invars])
+        return bind(eqn, [read(a) for a in eqn.invars], eqn.params)
 
     def _call(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         name = eqn.primitive.name
@@ -664,7 +664,7 @@ class _Recorder(Emitter):
         branch = branches[index]
         outs = self.run(rec.subs["branches"][index], jc.consts_of(branch), invals[1:])
         dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
-        outs = [_cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+        outs = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
         self._record_nodes(rec.carries, outs)
         return outs
 
@@ -682,7 +682,7 @@ class _Recorder(Emitter):
         dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.invars[nc + nb :]])
         self._loop_consts(rec, invals, nc + nb)
         cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
-        carry = [_cast(v, d) for v, d in zip(invals[nc + nb :], dtypes, strict=True)]
+        carry = [cast(v, d) for v, d in zip(invals[nc + nb :], dtypes, strict=True)]
         self._record_nodes(rec.carries, carry)
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         where = next(
@@ -698,7 +698,7 @@ class _Recorder(Emitter):
                 )
                 break
             outs = self.run(rec.subs["body"], jc.consts_of(bj), bconsts + carry)
-            carry = [_cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+            carry = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
             self._record_nodes(rec.carries, carry)
             done += 1
         self.iterations[id(rec)] += done
@@ -720,9 +720,9 @@ class _Recorder(Emitter):
         self._loop_consts(rec, invals, nconst)
         consts = invals[:nconst]
         carry = [
-            _cast(v, d) for v, d in zip(invals[nconst : nconst + ncarry], carry_dtypes, strict=True)
+            cast(v, d) for v, d in zip(invals[nconst : nconst + ncarry], carry_dtypes, strict=True)
         ]
-        xs = [_cast(v, d) for v, d in zip(invals[nconst + ncarry :], x_dtypes, strict=True)]
+        xs = [cast(v, d) for v, d in zip(invals[nconst + ncarry :], x_dtypes, strict=True)]
         self._record_nodes(rec.carries, carry)
         self._record_nodes(rec.xs, xs)
         ys: list[dict[int, Any]] = [{} for _ in y_avals]
@@ -731,9 +731,9 @@ class _Recorder(Emitter):
         for i in order:
             x_i = [x[i] for x in slices]
             outs = self.run(rec.subs["body"], jc.consts_of(body), consts + carry + x_i)
-            carry = [_cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes, strict=True)]
+            carry = [cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes, strict=True)]
             for slot, o, d in zip(ys, outs[ncarry:], y_dtypes, strict=True):
-                slot[i] = _cast(o, d)
+                slot[i] = cast(o, d)
             self._record_nodes(rec.carries, carry)
         stacked = [
             _stack([slot[i] for i in range(length)]) if length else jnp.zeros(aval.shape, d)
@@ -804,19 +804,6 @@ def _write(env: dict[Any, Any], outvars: Sequence[Any], values: Sequence[Any]) -
 def _reader(emitter: Emitter, env: dict[Any, Any]) -> Callable[..., Any]:
     """The Emitter's ``read``: a value, cast once per (value, dtype) when asked."""
     return emitter.reader(env)
-
-
-def _cast(value: Any, dtype: Any) -> Any:
-    if not is_float(dtype) or not is_float(jnp.result_type(value)):
-        return value
-    if jnp.result_type(value) == np.dtype(dtype):
-        return value
-    return jax.lax.convert_element_type(value, dtype)
-
-
-def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
-    out = eqn.primitive.bind(*invals, **jc.bind_params(eqn, dict(eqn.params)))
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 # -- suggestions ------------------------------------------------------------------------------

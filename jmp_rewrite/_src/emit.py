@@ -88,13 +88,6 @@ class Emitter:
         if self.cast_log is not None:
             self.cast_log.append((where, what, str(src), str(np.dtype(dst))))
 
-    def cast(self, value: Any, dtype: Any, where: str, what: str = "") -> Any:
-        """``_cast``, recorded in :attr:`cast_log` when it inserts a cast."""
-        out = _cast(value, dtype)
-        if out is not value:
-            self._log(where, what, jnp.result_type(value), dtype)
-        return out
-
     # -- dtype decisions -----------------------------------------------------------------
 
     def _is_half(self, node: int | None) -> bool:
@@ -233,11 +226,11 @@ class Emitter:
             params = dict(eqn.params)
             if half:
                 params["new_dtype"] = self.half
-            return _bind(eqn, [read(eqn.invars[0])], params)
+            return bind(eqn, [read(eqn.invars[0])], params)
         if half and name in ACCUMULATING:
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
-            return _bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
+            return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
         invals = [read(a, self._target(node, a.aval.dtype)) for a in eqn.invars]
         params = dict(eqn.params)
         if half:
@@ -246,7 +239,7 @@ class Emitter:
                     params[key] = self.half
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
                 return [self._scatter(eqn, invals)]
-        return _bind(eqn, invals, params)
+        return bind(eqn, invals, params)
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
         fun = _SCATTER_FUNS.get(eqn.primitive.name)
@@ -274,7 +267,7 @@ class Emitter:
                 params[key] = tuple(self._rewrite_same_signature(v) for v in value)
             else:
                 params[key] = self._rewrite_same_signature(value)
-        return _bind(eqn, invals, params)
+        return bind(eqn, invals, params)
 
     def _rewrite_same_signature(self, value: Any) -> Any:
         if not jc.is_any_jaxpr(value):
@@ -306,7 +299,7 @@ class Emitter:
         if name == "shard_map":
             return self._shard_map(eqn, scope, invals)
         closed = self.trace(scope, consts, _avals_like(jc.open_jaxpr(body).invars, invals))
-        return _bind(eqn, invals, {**eqn.params, param: jc.same_form(body, closed, name)})
+        return bind(eqn, invals, {**eqn.params, param: jc.same_form(body, closed, name)})
 
     def _custom(self, eqn: Any, scope: ScopeRec, consts: list[Any], invals: list[Any]):
         """Re-wraps a custom derivative so its rule runs as written, in the original dtypes."""
@@ -318,10 +311,10 @@ class Emitter:
         body.__name__ = jc.function_name(jc.open_jaxpr(eqn.params[CALL_BODIES[eqn.primitive.name]]))
 
         def original(*args: Any) -> list[Any]:
-            return _bind(eqn, list(args), eqn.params)
+            return bind(eqn, list(args), eqn.params)
 
         def to_original(values: Sequence[Any]) -> list[Any]:
-            return [_cast(v, d) for v, d in zip(values, orig_in, strict=True)]
+            return [cast(v, d) for v, d in zip(values, orig_in, strict=True)]
 
         if eqn.primitive.name == "custom_jvp_call":
             fun = jax.custom_jvp(body)
@@ -330,7 +323,7 @@ class Emitter:
             def fun_jvp(primals, tangents):
                 out = body(*primals)
                 tangents = [
-                    t if not is_float(d) else _cast(t, d)
+                    t if not is_float(d) else cast(t, d)
                     for t, d in zip(tangents, orig_in, strict=True)
                 ]
                 _, tout = jax.jvp(original, to_original(primals), tangents)
@@ -348,9 +341,9 @@ class Emitter:
 
         def bwd(vjp_fn, cts):
             orig_out = [v.aval.dtype for v in eqn.outvars]
-            grads = vjp_fn([_cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
+            grads = vjp_fn([cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
             return tuple(
-                _cast(g, d) if is_float(d) else None for g, d in zip(grads, in_dtypes, strict=True)
+                cast(g, d) if is_float(d) else None for g, d in zip(grads, in_dtypes, strict=True)
             )
 
         fun.defvjp(fwd, bwd)
@@ -388,7 +381,7 @@ class Emitter:
                     scope, jc.consts_of(branch), _avals_like(inner.invars, invals[1:]), out_dtypes
                 )
             )
-        return _bind(eqn, invals, {**eqn.params, "branches": tuple(branches)})
+        return bind(eqn, invals, {**eqn.params, "branches": tuple(branches)})
 
     def _while(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         p = eqn.params
@@ -409,7 +402,7 @@ class Emitter:
             _avals_like(jc.open_jaxpr(bj).invars, bconsts + init),
             dtypes,
         )
-        return _bind(eqn, cconsts + bconsts + init, {**p, "cond_jaxpr": cond, "body_jaxpr": body})
+        return bind(eqn, cconsts + bconsts + init, {**p, "cond_jaxpr": cond, "body_jaxpr": body})
 
     def _scan(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         p = eqn.params
@@ -433,7 +426,7 @@ class Emitter:
         new_body = self.trace(
             rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes
         )
-        return _bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
+        return bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
 
 
 def _literal(value: Any, dtype: Any) -> Any:
@@ -453,7 +446,8 @@ def _describe(atom: Any) -> str:
     return "[" + ",".join(str(d) for d in getattr(atom.aval, "shape", ())) + "]"
 
 
-def _cast(value: Any, dtype: Any) -> Any:
+def cast(value: Any, dtype: Any) -> Any:
+    """``value`` in float ``dtype``; non-float values and dtypes pass through."""
     if not is_float(dtype) or not is_float(jnp.result_type(value)):
         return value
     if jnp.result_type(value) == np.dtype(dtype):
@@ -462,10 +456,11 @@ def _cast(value: Any, dtype: Any) -> Any:
 
 
 def _cast_like(value: Any, like: Any) -> Any:
-    return _cast(value, jnp.result_type(like))
+    return cast(value, jnp.result_type(like))
 
 
-def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+def bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Binds ``eqn``'s primitive with ``params``; always a list of outputs."""
     out = eqn.primitive.bind(*invals, **jc.bind_params(eqn, params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
@@ -476,7 +471,6 @@ def rewrite_closed(
     lists: Any,
     out_dtypes: Sequence[Any] | None,
     options: dict[str, Any],
-    n_consts: int = 0,
 ) -> Any:
     """Paints and re-emits a closed jaxpr at its own input avals (a new closed jaxpr)."""
     graph = Graph(closed, lists)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
-from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.graph import Graph
 from jmp_rewrite._src.paint import Painting, paint
 
@@ -412,18 +412,7 @@ def rewrite_jaxpr(
     if dtype is None:
         raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_HALF_DTYPES_MSG}")
     config = resolve_config(dtype, lists, level, infer_follows_allow)
-    graph, painting = analyse(closed_jaxpr, config)
-    if painting is None or not painting.changed:
-        return closed_jaxpr
-    inner = jc.open_jaxpr(closed_jaxpr)
-    emitter = Emitter(graph, painting, config.dtype, config.options)
-    in_avals = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in inner.invars
-    ]
-    return emitter.trace(
-        graph.top, jc.consts_of(closed_jaxpr), in_avals, [v.aval.dtype for v in inner.outvars]
-    )
+    return rewrite_closed(closed_jaxpr, config.dtype, config.lists, None, config.options)
 
 
 @dataclasses.dataclass(frozen=True)
