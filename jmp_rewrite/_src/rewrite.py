@@ -115,21 +115,33 @@ def resolve_config(
     dt = validate_dtype(dtype)
     if dt is None:
         return None
+    if lists is not None and not isinstance(lists, op_lists_lib.OpLists):
+        raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
+    # Resolved once per (arguments, JMP_REWRITE_* variables): it runs on every eager call.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIX)))
+    return _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
+
+
+_ENV_PREFIX = "JMP_REWRITE_"
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_config(
+    dt: np.dtype, lists: Any, level: str | None, infer_follows_allow: bool, env_items: tuple
+) -> RewriteConfig:
+    env = dict(env_items)
     if lists is None:
-        env = dict(os.environ)
         if level is not None:
             env[op_lists_lib.ENV_LEVEL] = level
         lists, level = op_lists_lib.lists_from_environment(dt, env)
     else:
-        if not isinstance(lists, op_lists_lib.OpLists):
-            raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
         if level is None:
-            level = os.environ.get(op_lists_lib.ENV_LEVEL, "")
+            level = env.get(op_lists_lib.ENV_LEVEL, "")
         lists = op_lists_lib.apply_level(lists, level, dt)
     level = op_lists_lib.canonical_level(level)
     # TF <= 2.19 ran pass 4 in BF16 mode only, so turning it off affects float16 alone.
-    infer_follows_allow = bool(infer_follows_allow) or dt == np.dtype(jnp.bfloat16)
-    return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", bool(infer_follows_allow))
+    infer_follows_allow = infer_follows_allow or dt == np.dtype(jnp.bfloat16)
+    return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", infer_follows_allow)
 
 
 @dataclasses.dataclass
