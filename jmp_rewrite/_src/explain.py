@@ -22,7 +22,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import rewrite as rewrite_lib
-from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.emit import ACCUMULATING, Emitter
 from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
@@ -278,8 +278,9 @@ def _equation(n: Node, colour: str, painted_by: str | None, half: str, trips: in
         return half if to_half and is_f32(d) else _short(d)
 
     out_after = [after(d) for d in outs]
-    if eqn.primitive.name == "convert_element_type" and to_half:
-        ins_after = [_short(d) for d in ins]  # a retargeted cast takes its input as it is
+    if to_half and eqn.primitive.name in ("convert_element_type", *ACCUMULATING):
+        # a retargeted cast takes its input as it is; a half sum accumulates in float32
+        ins_after = [_short(d) for d in ins]
     else:
         ins_after = [after(d) for d in ins]
     return EquationReport(
