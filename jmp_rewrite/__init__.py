@@ -9,12 +9,12 @@ from jmp_rewrite._src.explain import CastReport as CastReport
 from jmp_rewrite._src.explain import EquationReport as EquationReport
 from jmp_rewrite._src.explain import Report as Report
 from jmp_rewrite._src.explain import explain as explain
+from jmp_rewrite._src.facts import EquationPaint as EquationPaint
 from jmp_rewrite._src.op_lists import LEVELS as LEVELS
 from jmp_rewrite._src.op_lists import OpLists as OpLists
 from jmp_rewrite._src.op_lists import default_lists as default_lists
 from jmp_rewrite._src.op_lists import lists_from_environment as lists_from_environment
 from jmp_rewrite._src.regions import float32_region as float32_region
-from jmp_rewrite._src.rewrite import EquationPaint as EquationPaint
 from jmp_rewrite._src.rewrite import PaintResult as PaintResult
 from jmp_rewrite._src.rewrite import paint_program as paint
 from jmp_rewrite._src.rewrite import platform_dtype as platform_dtype

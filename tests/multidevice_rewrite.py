@@ -61,4 +61,47 @@ assert constraint.params["sharding"] == s and runs_in_half(constraint)
 xs = jax.device_put(x, s)
 spmd = jax.jit(jr.rewrite(lambda a: jnp.tanh(a @ w) @ w, dtype=jnp.float16))
 np.testing.assert_allclose(spmd(xs), jnp.tanh(x @ w) @ w, rtol=1e-2, atol=1e-2)
+
+# Explicit mesh (jax.make_mesh's default), vma checking on (shard_map's default): the rewrite
+# outside shard_map (traced at the inputs' shardings) and inside it (varying manual axes kept).
+emesh = jax.make_mesh((8,), ("d",))
+es = NamedSharding(emesh, P("d"))
+ex = jax.device_put(x, es)
+
+
+def body(a, b):
+    h = jnp.tanh(a @ b)
+    return jax.lax.psum(h.sum(0, keepdims=True), "d") + h @ b
+
+
+def reference(a, b):
+    return jax.shard_map(body, mesh=emesh, in_specs=(P("d"), P()), out_specs=P("d"))(a, b)
+
+
+for dtype, tol in ((jnp.float16, 2e-2), (jnp.bfloat16, 1e-1)):
+    want = np.asarray(reference(ex, w))
+    inside = jax.shard_map(
+        jr.rewrite(body, dtype=dtype), mesh=emesh, in_specs=(P("d"), P()), out_specs=P("d")
+    )
+    for fn in (inside, jax.jit(inside)):
+        got = fn(ex, w)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    j = jax.make_jaxpr(inside)(ex, w)
+    assert prims(j, "dot_general") and all(runs_in_half(e) for e in prims(j, "dot_general"))
+    with jax.set_mesh(emesh):
+        outside = jr.rewrite(
+            jax.shard_map(body, in_specs=(P("d"), P()), out_specs=P("d")), dtype=dtype
+        )
+        for fn in (outside, jax.jit(outside)):
+            got = fn(ex, w)
+            assert got.sharding.is_equivalent_to(es, 2), got.sharding
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+        j = jax.make_jaxpr(outside)(ex, w)
+        assert all(runs_in_half(e) for e in prims(j, "dot_general"))
+        # under the explicit mesh, a plain function of a sharded input keeps its sharding
+        plain = jax.jit(jr.rewrite(lambda a: jnp.tanh(a @ w) @ w, dtype=dtype))
+        got = plain(ex)
+        assert got.sharding.is_equivalent_to(es, 2), got.sharding
+        np.testing.assert_allclose(got, jnp.tanh(x @ w) @ w, rtol=tol, atol=tol)
 print("OK")

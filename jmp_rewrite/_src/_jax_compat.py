@@ -138,3 +138,31 @@ def to_numpy_dtype(value: Any, dtype: Any) -> Any:
 
 def dtype_of(x: Any) -> Any:
     return jax.numpy.result_type(x) if not hasattr(x, "dtype") else x.dtype
+
+
+def abstract_value(aval: Any, dtype: Any = None, weak_type: bool | None = None) -> Any:
+    """A ``jax.ShapeDtypeStruct`` with everything JAX knows about ``aval`` -- shape, weak
+    type, sharding (an Explicit mesh's), varying manual axes (inside ``shard_map``) -- but
+    ``dtype`` and ``weak_type`` replaced where given. Tracing a body at these keeps JAX's
+    checks (``check_vma``, explicit shardings) seeing the types the program had."""
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None and getattr(sharding.mesh, "empty", True):
+        sharding = None
+    mat = getattr(aval, "mat", None)
+    if mat is not None and getattr(mat, "empty", True):
+        mat = None
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype if dtype is None else dtype,
+        sharding=sharding,
+        weak_type=aval.weak_type if weak_type is None else weak_type,
+        manual_axis_type=mat,
+    )
+
+
+def abstract_key(aval: Any) -> tuple[Any, ...]:
+    """A hashable key of what :func:`abstract_value` keeps (for trace caches)."""
+    sharding = getattr(aval, "sharding", None)
+    spec = None if sharding is None or getattr(sharding.mesh, "empty", True) else sharding
+    mat = getattr(aval, "mat", None)
+    return (aval.shape, str(aval.dtype), aval.weak_type, spec, None if mat is None else str(mat))

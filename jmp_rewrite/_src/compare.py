@@ -28,12 +28,9 @@ problem *starts*.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import math
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,18 +40,10 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
-from jmp_rewrite._src.emit import ACCUMULATING, Emitter, bind, cast
-from jmp_rewrite._src.graph import (
-    CALL_BODIES,
-    EqnRec,
-    Graph,
-    Node,
-    ScopeRec,
-    has_jaxpr_param,
-    is_float,
-)
+from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
+from jmp_rewrite._src.facts import EquationPaint, equation_facts, user_scope
+from jmp_rewrite._src.graph import Graph, Node, has_jaxpr_param, is_f32, is_float
 from jmp_rewrite._src.paint import Painting
-from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
 
 #: Default tolerance on the relative error, per half-precision dtype: 20 (float16) or 13
 #: (bfloat16) units of roundoff, room for a few roundings to accumulate.
@@ -72,21 +61,14 @@ _MOVABLE = ("allow", "infer", "clear")
 
 
 @dataclasses.dataclass(frozen=True)
-class EquationComparison:
+class EquationComparison(EquationPaint):
     """How one equation's outputs differ between the float32 and the rewritten run.
 
+    The fields of :class:`jmp_rewrite.EquationPaint` (``path`` is ``<output N>`` for the
+    program's outputs, whose ``colour`` is their dtype; inside a fused unit such as
+    ``jit:log_softmax``, ``list`` is the unit's, which decides its colour), and:
+
     Attributes:
-      path: location in the program, e.g. ``scan/body/reduce_sum`` (``<output 0>`` for the
-        program's outputs).
-      primitive: the primitive (``<carry>``, ``<cond-output>``, ``<xs>``, ``<ys>``,
-        ``<const>`` for loop carries, ``cond`` outputs, ``scan`` streams and loop constants;
-        ``jit:NAME`` for a fused unit).
-      key: the list key (``reciprocal`` for ``integer_pow`` with ``y=-1``...).
-      list: the list the key is on for this dtype (``unlisted`` if on none); inside a fused
-        unit (``jit:log_softmax``...), the unit's list, which decides its colour.
-      colour: ``allow`` (ran in half precision), ``deny`` or ``float32`` (for the program's
-        outputs: their dtype).
-      scope: the equation's name stack (``jax.named_scope`` / module names), or ``""``.
       rel_error: largest ``max|half - f32| / (max|f32| + tiny)`` over executions, computed
         over the elements finite in both runs; ``inf`` when an element finite in float32 is
         not finite in half precision.
@@ -103,26 +85,15 @@ class EquationComparison:
       exceeds: ``rel_error`` is above the comparison's tolerance.
     """
 
-    path: str
-    primitive: str
-    key: str
-    list: str
-    colour: str
-    scope: str
-    rel_error: float
-    norm_error: float
-    overflow: int
-    underflow: int
-    nan: int
-    max_abs_f32: float
-    count: int
-    size: int
-    exceeds: bool
-
-    @property
-    def half(self) -> bool:
-        """Whether the equation ran in half precision."""
-        return self.colour == "allow"
+    rel_error: float = 0.0
+    norm_error: float = 0.0
+    overflow: int = 0
+    underflow: int = 0
+    nan: int = 0
+    max_abs_f32: float = 0.0
+    count: int = 0
+    size: int = 0
+    exceeds: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,421 +362,6 @@ def _record_dict(e: EquationComparison) -> dict[str, Any]:
     return d
 
 
-# -- statistics ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Stats:
-    """Aggregated differences of one node over its executions."""
-
-    rel_error: float = 0.0
-    norm_error: float = 0.0
-    overflow: int = 0
-    underflow: int = 0
-    nan: int = 0
-    max_abs: float = 0.0
-    count: int = 0
-    size: int = 0
-    #: execution index (in the half run) of the first execution exceeding the tolerance,
-    #: and of the first one overflowing or producing NaN.
-    first_exceed: int | None = None
-    first_bad: int | None = None
-
-    def update(self, refs: list[np.ndarray], vals: list[Any], seq: int, tol: float) -> None:
-        rel = norm = 0.0
-        bad = False
-        for r, h in zip(refs, vals, strict=True):
-            r = np.asarray(r).astype(np.float64)
-            h = np.asarray(h).astype(np.float64)
-            if r.shape != h.shape:  # pragma: no cover - the rewrite keeps shapes
-                continue
-            r_fin, h_fin = np.isfinite(r), np.isfinite(h)
-            overflow = int(np.count_nonzero(r_fin & np.isinf(h)))
-            nan = int(np.count_nonzero(np.isnan(h) & ~np.isnan(r)))
-            self.overflow += overflow
-            self.nan += nan
-            self.underflow += int(np.count_nonzero(r_fin & (r != 0) & (h == 0)))
-            self.size += r.size
-            both = r_fin & h_fin
-            diff = np.where(both, np.abs(h - r), 0.0)
-            r_abs = np.where(r_fin, np.abs(r), 0.0)
-            scale = float(r_abs.max()) if r.size else 0.0
-            self.max_abs = max(self.max_abs, scale)
-            if overflow or nan or np.any(r_fin & ~h_fin):
-                bad = bad or bool(overflow or nan)
-                rel = norm = math.inf
-                continue
-            if r.size:
-                rel = max(rel, float(diff.max()) / (scale + _TINY))
-                norm = max(
-                    norm, float(np.linalg.norm(diff)) / (float(np.linalg.norm(r_abs)) + _TINY)
-                )
-        self.count += 1
-        self.rel_error = max(self.rel_error, rel)
-        self.norm_error = max(self.norm_error, norm)
-        if rel > tol and self.first_exceed is None:
-            self.first_exceed = seq
-        if bad and self.first_bad is None:
-            self.first_bad = seq
-
-
-# -- the eager interpreter -----------------------------------------------------------------------
-
-
-_EMPTY = Painting(allow=set(), deny=set(), painted_by={}, changed=False)
-
-
-class _Recorder(Emitter):
-    """An :class:`Emitter` that evaluates eagerly and records every equation's float outputs.
-
-    Leaf equations run through the Emitter's own code (same dtypes, same casts). Calls run
-    their bodies inline, ``cond`` the selected branch, loops are unrolled in Python, so every
-    value is concrete and can be recorded. In ``reference`` mode the outputs are stored; else
-    they are compared with the stored reference as they are produced.
-    """
-
-    def __init__(
-        self,
-        graph: Graph,
-        painting: Painting,
-        dtype: Any,
-        options: dict[str, Any],
-        *,
-        reference: dict[int, list[list[np.ndarray]]] | None,
-        tolerance: float,
-        loop_limits: dict[int, int] | None = None,
-    ):
-        super().__init__(graph, painting, dtype, options)
-        self.is_reference = reference is None
-        self.store: dict[int, list[list[np.ndarray]]] = collections.defaultdict(list)
-        self.reference = reference or {}
-        self.tolerance = tolerance
-        self.stats: dict[int, _Stats] = {}
-        self.runs: collections.Counter[int] = collections.Counter()
-        #: while-loop iterations run, per loop (its EqnRec): bounds the half run's loops.
-        self.iterations: collections.Counter[int] = collections.Counter()
-        self.loop_limits = loop_limits
-        self.notes: list[str] = []
-        self.seq = 0
-        self._tracing = 0
-        #: While a straight-line segment is traced: the (node, values) recorded so far.
-        self._pending: list[tuple[int, list[Any]]] | None = None
-        self._plans: dict[int, list[Any]] = {}
-        self._segments: dict[Any, Any] = {}
-        self._segment_nodes: dict[tuple[int, int], list[int]] = {}
-
-    @contextlib.contextmanager
-    def _traced(self) -> Iterator[None]:
-        """Delegates to the Emitter's tracing code (values are tracers: nothing recorded)."""
-        self._tracing += 1
-        try:
-            yield
-        finally:
-            self._tracing -= 1
-
-    # -- recording --------------------------------------------------------------------------
-
-    def _record(self, node: int | None, values: Sequence[Any]) -> None:
-        if node is None or self._tracing or not values:
-            return
-        if self._pending is not None:  # inside a traced segment: returned as outputs
-            self._pending.append((node, list(values)))
-            return
-        k = self.runs[node]
-        self.runs[node] += 1
-        if self.is_reference:
-            self.store[node].append([np.asarray(v) for v in values])
-            return
-        refs = self.reference.get(node, [])
-        self.seq += 1
-        if k < len(refs):
-            stats = self.stats.setdefault(node, _Stats())
-            stats.update(refs[k], list(values), self.seq, self.tolerance)
-
-    def _record_nodes(self, nodes: Sequence[int | None], values: Sequence[Any]) -> None:
-        for n, v in zip(nodes, values, strict=True):
-            self._record(n, [v])
-
-    # -- scopes: straight-line segments are jitted ----------------------------------------------
-
-    def run(self, scope: ScopeRec, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        """Evaluates a scope on concrete values.
-
-        Maximal runs of equations without control flow are traced and compiled as one
-        ``jax.jit`` segment (recorded values returned as extra outputs): compiling every
-        equation on its own would cost far more than running it. Control-flow equations run
-        one at a time, eagerly. Inside a segment (or under the Emitter's own tracing), this
-        is the Emitter's plain interpretation.
-        """
-        if self._tracing or self._pending is not None:
-            return super().run(scope, consts, args)
-        jaxpr = scope.jaxpr
-        env: dict[Any, Any] = dict(
-            zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True)
-        )
-        for step in self._plan(scope):
-            if isinstance(step, int):
-                eqn, rec = jaxpr.eqns[step], scope.eqns[step]
-                self._where = self._path(scope, eqn, rec)
-                _write(env, eqn.outvars, self._eqn(eqn, rec, _reader(self, env)))
-                continue
-            start, _end, in_vars, out_vars = step
-            invals = [env[v] for v in in_vars]
-            key = (id(scope), start)
-            ckey = (key, tuple(_aval_key(v) for v in invals))
-            fun = self._segments.get(ckey)
-            if fun is None:
-                lowered = jax.jit(self._segment_fun(scope, step, key)).lower(*invals)
-                fun = self._segments[ckey] = _compile(lowered)
-            outs, recorded = fun(*invals)
-            _write(env, out_vars, outs)
-            for node, values in zip(self._segment_nodes[key], recorded, strict=True):
-                self._record(node, values)
-        read = _reader(self, env)
-        return [read(a) for a in jaxpr.outvars]
-
-    def _segment_fun(self, scope: ScopeRec, step: tuple[Any, ...], key: tuple[int, int]):
-        start, end, in_vars, out_vars = step
-        jaxpr = scope.jaxpr
-
-        def segment(*invals: Any) -> tuple[list[Any], list[list[Any]]]:
-            env = dict(zip(in_vars, invals, strict=True))
-            read = _reader(self, env)
-            self._pending = []
-            try:
-                for i in range(start, end):
-                    eqn, rec = jaxpr.eqns[i], scope.eqns[i]
-                    self._where = self._path(scope, eqn, rec)
-                    region = in_float32_region(jc.name_stack(eqn))
-                    cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else _NULL
-                    with cm:
-                        _write(env, eqn.outvars, self._eqn(eqn, rec, read))
-                pending = self._pending
-            finally:
-                self._pending = None
-            self._segment_nodes[key] = [node for node, _ in pending]
-            return [env[v] for v in out_vars], [values for _, values in pending]
-
-        return segment
-
-    def _plan(self, scope: ScopeRec) -> list[Any]:
-        """The scope's equations as steps: an index (run alone, eagerly) or a segment
-        ``(start, end, in_vars, out_vars)`` of consecutive flat equations."""
-        plan = self._plans.get(id(scope))
-        if plan is not None:
-            return plan
-        jaxpr = scope.jaxpr
-        flat = [_flat(eqn, rec) for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True)]
-        plan = []
-        i = 0
-        while i < len(flat):
-            if not flat[i]:
-                plan.append(i)
-                i += 1
-                continue
-            j = i
-            while j < len(flat) and flat[j]:
-                j += 1
-            defined: set[Any] = set()
-            in_vars: dict[Any, None] = {}  # ordered set
-            for eqn in jaxpr.eqns[i:j]:
-                for a in eqn.invars:
-                    if not jc.is_literal(a) and a not in defined:
-                        in_vars[a] = None
-                defined.update(v for v in eqn.outvars if not jc.is_drop_var(v))
-            later = {a for eqn in jaxpr.eqns[j:] for a in eqn.invars if not jc.is_literal(a)}
-            later.update(a for a in jaxpr.outvars if not jc.is_literal(a))
-            out_vars = [
-                v
-                for eqn in jaxpr.eqns[i:j]
-                for v in eqn.outvars
-                if not jc.is_drop_var(v) and v in later
-            ]
-            plan.append((i, j, list(in_vars), out_vars))
-            i = j
-        self._plans[id(scope)] = plan
-        return plan
-
-    # -- equations ----------------------------------------------------------------------------
-
-    def _eqn(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
-        outs = super()._eqn(eqn, rec, read)
-        if rec.kind in ("leaf", "opaque", "unit"):
-            floats = [o for o, v in zip(outs, eqn.outvars, strict=True) if is_float(v.aval.dtype)]
-            if eqn.primitive.name in ACCUMULATING and self._is_half(rec.node):
-                # a half sum accumulates in float32; its readers see it cast to half
-                floats = [cast(f, self.half) for f in floats]
-            self._record(rec.node, floats)
-        return outs
-
-    def _opaque(self, eqn: Any, read: Any) -> list[Any]:
-        if not self.is_reference:
-            return super()._opaque(eqn, read)
-        # The float32 reference runs the equation as written (bodies not rewritten).
-        return bind(eqn, [read(a) for a in eqn.invars], eqn.params)
-
-    def _call(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        name = eqn.primitive.name
-        if self._tracing or name == "shard_map":
-            if not self._tracing and not self.is_reference:
-                self.notes.append(f"{self._where}: run whole, no per-equation detail inside")
-            with self._traced():
-                return super()._call(eqn, rec, invals)
-        # Inline (in a segment: traced into it; else eagerly, segment by segment).
-        body = eqn.params[CALL_BODIES.get(name, "jaxpr")]
-        return self.run(rec.subs["body"], jc.consts_of(body), invals)
-
-    def _cond(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        if self._tracing or self._pending is not None:
-            with self._traced():
-                return super()._cond(eqn, rec, invals)
-        branches = eqn.params["branches"]
-        index = int(np.clip(int(np.asarray(invals[0])), 0, len(branches) - 1))
-        branch = branches[index]
-        outs = self.run(rec.subs["branches"][index], jc.consts_of(branch), invals[1:])
-        dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
-        outs = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
-        self._record_nodes(rec.carries, outs)
-        return outs
-
-    def _loop_consts(self, rec: EqnRec, invals: list[Any], n: int) -> None:
-        operands = list(getattr(rec, "operands", None) or [])
-        if operands:
-            self._record_nodes(operands[:n], invals[:n])
-
-    def _while(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        if self._tracing or self._pending is not None:
-            with self._traced():
-                return super()._while(eqn, rec, invals)
-        p = eqn.params
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.invars[nc + nb :]])
-        self._loop_consts(rec, invals, nc + nb)
-        cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
-        carry = [cast(v, d) for v, d in zip(invals[nc + nb :], dtypes, strict=True)]
-        self._record_nodes(rec.carries, carry)
-        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-        where = next(
-            (self.graph.nodes[n].path for n in rec.carries if n is not None), "while"
-        ).removesuffix("/carry")
-        limit = None if self.loop_limits is None else 2 * self.loop_limits.get(id(rec), 0) + 100
-        done = 0
-        while bool(np.asarray(self.run(rec.subs["cond"], jc.consts_of(cj), cconsts + carry)[0])):
-            if limit is not None and done >= limit:
-                self.notes.append(
-                    f"the while loop at {where} did not stop in the {self.half.name} run; "
-                    f"stopped after {done} iterations"
-                )
-                break
-            outs = self.run(rec.subs["body"], jc.consts_of(bj), bconsts + carry)
-            carry = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
-            self._record_nodes(rec.carries, carry)
-            done += 1
-        self.iterations[id(rec)] += done
-        return carry
-
-    def _scan(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        if self._tracing or self._pending is not None:
-            with self._traced():
-                return super()._scan(eqn, rec, invals)
-        p = eqn.params
-        nconst, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
-        body = p["jaxpr"]
-        carry_dtypes = self._carry_dtypes(
-            rec.carries, [v.aval for v in eqn.invars[nconst : nconst + ncarry]]
-        )
-        x_dtypes = self._carry_dtypes(rec.xs, [v.aval for v in eqn.invars[nconst + ncarry :]])
-        y_avals = [v.aval for v in eqn.outvars[ncarry:]]
-        y_dtypes = self._carry_dtypes(rec.ys, y_avals)
-        self._loop_consts(rec, invals, nconst)
-        consts = invals[:nconst]
-        carry = [
-            cast(v, d) for v, d in zip(invals[nconst : nconst + ncarry], carry_dtypes, strict=True)
-        ]
-        xs = [cast(v, d) for v, d in zip(invals[nconst + ncarry :], x_dtypes, strict=True)]
-        self._record_nodes(rec.carries, carry)
-        self._record_nodes(rec.xs, xs)
-        ys: list[dict[int, Any]] = [{} for _ in y_avals]
-        slices = [_unstack(x) for x in xs]  # one compiled split, not one slice per index
-        order = range(length - 1, -1, -1) if p.get("reverse", False) else range(length)
-        for i in order:
-            x_i = [x[i] for x in slices]
-            outs = self.run(rec.subs["body"], jc.consts_of(body), consts + carry + x_i)
-            carry = [cast(o, d) for o, d in zip(outs[:ncarry], carry_dtypes, strict=True)]
-            for slot, o, d in zip(ys, outs[ncarry:], y_dtypes, strict=True):
-                slot[i] = cast(o, d)
-            self._record_nodes(rec.carries, carry)
-        stacked = [
-            _stack([slot[i] for i in range(length)]) if length else jnp.zeros(aval.shape, d)
-            for slot, aval, d in zip(ys, y_avals, y_dtypes, strict=True)
-        ]
-        self._record_nodes(rec.ys, stacked)
-        return carry + stacked
-
-
-_NULL = contextlib.nullcontext()
-
-#: Segments are compiled once and run a few times, and return every intermediate value, which
-#: makes them slow to compile (most equations become kernels of their own). XLA options that
-#: compile them several times faster on CPU; results can differ from a default compilation in
-#: the last bit of float32 (both runs of a comparison are compiled alike). Dropped one by one
-#: where this XLA does not know them.
-_FAST_COMPILE = {
-    "xla_cpu_use_fusion_emitters": False,
-    "xla_backend_optimization_level": 0,
-    "xla_llvm_disable_expensive_passes": True,
-}
-_compile_options: dict[str, Any] = dict(_FAST_COMPILE)
-
-
-def _compile(lowered: Any) -> Any:
-    while True:
-        try:
-            return lowered.compile(compiler_options=dict(_compile_options))
-        except Exception as e:  # an option this XLA does not have: drop it, retry
-            unknown = [k for k in _compile_options if k in str(e)]
-            if not unknown or "compile option" not in str(e):
-                raise
-            del _compile_options[unknown[0]]
-
-
-@jax.jit
-def _unstack(x: Any) -> list[Any]:
-    return [x[i] for i in range(x.shape[0])]
-
-
-_stack = jax.jit(jnp.stack)
-
-
-def _aval_key(x: Any) -> Any:
-    t = jax.typeof(x)
-    return (t.shape, str(t.dtype), t.weak_type)  # str: PRNG key dtypes are not NumPy's
-
-
-_CONTROL_FLOW = ("cond", "while", "scan")
-
-
-def _flat(eqn: Any, rec: EqnRec) -> bool:
-    """Whether an equation runs without control flow (it can join a jitted segment)."""
-    if rec.kind in _CONTROL_FLOW or eqn.primitive.name == "shard_map":
-        return False
-    if rec.kind in ("call", "unit"):
-        body = rec.subs["body"]
-        return all(_flat(e, r) for e, r in zip(body.jaxpr.eqns, body.eqns, strict=True))
-    return True
-
-
-def _write(env: dict[Any, Any], outvars: Sequence[Any], values: Sequence[Any]) -> None:
-    for var, val in zip(outvars, values, strict=True):
-        if not jc.is_drop_var(var):
-            env[var] = val
-
-
-def _reader(emitter: Emitter, env: dict[Any, Any]) -> Callable[..., Any]:
-    """The Emitter's ``read``: a value, cast once per (value, dtype) when asked."""
-    return emitter.reader(env)
-
-
 # -- suggestions ------------------------------------------------------------------------------
 
 
@@ -813,7 +369,7 @@ def _has_float_output(n: Node) -> bool:
     return n.eqn is None or any(is_float(v.aval.dtype) for v in n.eqn.outvars)
 
 
-def _origins(graph: Graph, stats: dict[int, _Stats], attr: str) -> list[tuple[int, int]]:
+def _origins(graph: Graph, stats: dict[int, Stats], attr: str) -> list[tuple[int, int]]:
     """(first execution, node) of the nodes where a problem starts: it shows there at
     execution ``s`` and in none of the node's inputs before ``s``."""
     found = []
@@ -832,18 +388,7 @@ def _origins(graph: Graph, stats: dict[int, _Stats], attr: str) -> list[tuple[in
     return found
 
 
-_TRANSFORM = re.compile(r"\b\w+\(")
-
-
-def _user_scope(eqn: Any) -> str:
-    """The user's name scopes of an equation: ``transpose(jvp(loss))`` -> ``loss``."""
-    stack = jc.name_stack(eqn) if eqn is not None else ""
-    if FLOAT32_REGION_SCOPE in stack:
-        return ""
-    return "/".join(p for p in _TRANSFORM.sub("", stack).replace(")", "").split("/") if p)
-
-
-def _reason(st: _Stats, dtype: np.dtype, tol: float) -> str:
+def _reason(st: Stats, dtype: np.dtype, tol: float) -> str:
     if st.overflow:
         return (
             f"overflows in {dtype.name}: {st.overflow} finite float32 values became inf "
@@ -863,7 +408,7 @@ def _reason(st: _Stats, dtype: np.dtype, tol: float) -> str:
 def _suggest(
     graph: Graph,
     painting: Painting,
-    stats: dict[int, _Stats],
+    stats: dict[int, Stats],
     dtype: np.dtype,
     tol: float,
     force_all: bool,
@@ -900,7 +445,7 @@ def _suggest(
             continue
         owner = graph.nodes[n.unit] if n.unit is not None else n
         key, listed = owner.key, owner.listed_kind
-        scope = _user_scope(n.eqn)
+        scope = user_scope(n.eqn)
         if force_all:
             to_list = TO_REGION
             reason += "; level UNSAFE_FORCE_ALL ignores the lists"
@@ -955,8 +500,9 @@ def _records(
     graph: Graph,
     painting: Painting,
     ref_runs: dict[int, int],
-    half: _Recorder,
+    half: Recorder,
     tol: float,
+    dtype: np.dtype,
 ) -> tuple[list[EquationComparison], int | None, list[str]]:
     records, notes = [], []
     first: tuple[int, int] | None = None
@@ -967,47 +513,22 @@ def _records(
         if runs_f32 != runs_half:
             notes.append(
                 f"{n.path} ran {runs_f32} times in float32 and {runs_half} times in "
-                f"{half.half.name}: the control flow diverged; {min(runs_f32, runs_half)} "
+                f"{dtype.name}: the control flow diverged; {min(runs_f32, runs_half)} "
                 "executions compared"
             )
-        st = half.stats.get(n.id, _Stats())
+        st = half.stats.get(n.id, Stats())
         if st.first_exceed is not None and (first is None or st.first_exceed < first[0]):
             first = (st.first_exceed, len(records))
-        owner = graph.nodes[n.unit] if n.unit is not None else n
-        records.append(
-            _make_record(
-                path=n.path,
-                primitive=n.key
-                if n.eqn is None or n.key.startswith("jit:")
-                else n.eqn.primitive.name,
-                key=n.key,
-                listed=owner.listed_kind,
-                colour=painting.colour(n.id) if painting.changed else "float32",
-                scope=_user_scope(n.eqn),
-                st=st,
-                tol=tol,
-            )
-        )
+        facts = equation_facts(graph, painting, n)
+        if n.unit is not None:  # inside a fused unit, the unit's list decides the colour
+            facts["list"] = graph.nodes[n.unit].listed_kind
+        records.append(_make_record(facts, st, tol))
     return records, None if first is None else first[1], notes
 
 
-def _make_record(
-    path: str,
-    primitive: str,
-    key: str,
-    listed: str,
-    colour: str,
-    scope: str,
-    st: _Stats,
-    tol: float,
-) -> EquationComparison:
+def _make_record(facts: dict[str, Any], st: Stats, tol: float) -> EquationComparison:
     return EquationComparison(
-        path=path,
-        primitive=primitive,
-        key=key,
-        list=listed,
-        colour=colour,
-        scope=scope,
+        **facts,
         rel_error=st.rel_error,
         norm_error=st.norm_error,
         overflow=st.overflow,
@@ -1029,11 +550,19 @@ def _output_records(
     ):
         if not is_float(v.aval.dtype):
             continue
-        st = _Stats()
+        st = Stats()
         st.update([np.asarray(r)], [h], 0, tol)
-        name = f"<output {i}>"
-        dtype = str(np.dtype(v.aval.dtype))
-        records.append(_make_record(name, "<output>", "<output>", "", dtype, "", st, tol))
+        facts = {
+            "path": f"<output {i}>",
+            "primitive": "<output>",
+            "key": "<output>",
+            "list": "",
+            "colour": str(np.dtype(v.aval.dtype)),
+            "painted_by": None,
+            "float32": is_f32(v.aval.dtype),
+            "in_float32_region": False,
+        }
+        records.append(_make_record(facts, st, tol))
     return records
 
 
@@ -1156,29 +685,21 @@ def _compare(
     )
     entry, flat = fn.trace(*args, **kwargs)
     graph, config = entry.graph, entry.config
-    painting = entry.painting if entry.painting.changed else _EMPTY
+    painting = entry.painting if entry.painting.changed else EMPTY
     consts = jc.consts_of(entry.closed)
 
     signature = _signature(graph)
     if previous is not None and previous.signature == signature:
         reference = previous  # same program, same inputs: the float32 run is the same
     else:
-        ref = _Recorder(graph, _EMPTY, dt, config.options, reference=None, tolerance=tol)
-        outs = ref.run(graph.top, consts, flat)
+        ref = Recorder(reference=None, tolerance=tol)
+        outs = ref.emitter(graph, EMPTY, dt, config.options).run(graph.top, consts, flat)
         reference = _Reference(signature, ref.store, dict(ref.runs), dict(ref.iterations), outs)
-    half = _Recorder(
-        graph,
-        painting,
-        dt,
-        config.options,
-        reference=reference.store,
-        tolerance=tol,
-        loop_limits=reference.iterations,
-    )
+    half = Recorder(reference=reference.store, tolerance=tol, loop_limits=reference.iterations)
     # The rewrite casts outputs back to their dtypes; exact, so compared without the cast.
-    half_outs = half.run(graph.top, consts, flat)
+    half_outs = half.emitter(graph, painting, dt, config.options).run(graph.top, consts, flat)
 
-    records, first, notes = _records(graph, painting, reference.runs, half, tol)
+    records, first, notes = _records(graph, painting, reference.runs, half, tol, dt)
     suggestions, more_notes = _suggest(graph, painting, half.stats, dt, tol, config.force_all)
 
     def rerun(new_lists: op_lists_lib.OpLists) -> Comparison:

@@ -18,7 +18,7 @@ as separate programs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -27,8 +27,8 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.graph import (
-    CALL_BODIES,
     SCATTER_REBUILDERS,
     EqnRec,
     Graph,
@@ -36,6 +36,7 @@ from jmp_rewrite._src.graph import (
     is_f32,
     is_float,
 )
+from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.paint import Painting, paint
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
 
@@ -53,17 +54,104 @@ _DTYPE_PARAMS = ("preferred_element_type",)
 ACCUMULATING = ("reduce_sum", "cumsum", "reduce_window_sum")
 
 
-def _avals_like(template_vars: Sequence[Any], values: Sequence[Any]) -> list[Any]:
-    """ShapeDtypeStructs with the template vars' shapes and the values' dtypes/weak types."""
-    out = []
-    for var, val in zip(template_vars, values, strict=True):
-        aval, t = var.aval, jax.typeof(val)
-        out.append(jax.ShapeDtypeStruct(aval.shape, t.dtype, weak_type=t.weak_type))
-    return out
+class Hooks:
+    """What an interpreter of the painted program is told as it runs (no-ops here).
+
+    ``explain`` logs casts; ``compare`` records values. Both run the one equation loop of
+    :class:`Emitter`.
+    """
+
+    def value(self, em: Emitter, eqn: Any, rec: EqnRec, outs: list[Any]) -> None:
+        """A leaf, opaque or fused-unit equation produced ``outs``."""
+
+    def cast(self, where: str, what: str, src: Any, dst: Any) -> None:
+        """A cast of ``what`` (a shape) from ``src`` to ``dst`` was inserted at ``where``."""
+
+
+class Staged:
+    """How higher-order equations execute: re-bound with rewritten bodies (the rewrite).
+
+    ``compare`` subclasses it to run control flow eagerly in Python. One method per kind of
+    :mod:`~jmp_rewrite._src.higher_order` primitive; each gets the operands already read in
+    the dtypes the painting wants (see :meth:`Emitter.operands`).
+    """
+
+    def execute(self, em: Emitter, scope: ScopeRec, env: dict[Any, Any], read: Any) -> None:
+        """Runs a scope's equations (``compare`` groups them into compiled segments)."""
+        em.execute(scope, env, read, 0, len(scope.eqns))
+
+    def call(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        layout = rec.layout
+        body = layout.body()
+        closed = em.trace(rec.subs["body"], jc.consts_of(body), em.avals(layout.inner(), invals))
+        return ho.rebind(eqn, invals, {"body": jc.same_form(body, closed, eqn.primitive.name)})
+
+    unit = call
+
+    def custom_jvp(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        return em.custom(eqn, rec, invals)
+
+    custom_vjp = custom_jvp
+
+    def shard_map(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        fun = jax.shard_map(
+            lambda *args: tuple(em.run(rec.subs["body"], [], args)), **ho.shard_map_options(eqn)
+        )
+        with em.staging():
+            return list(fun(*invals))
+
+    def cond(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        layout = rec.layout
+        out_dtypes = em.carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
+        args = layout.split(invals)["args"]
+        branches = tuple(
+            em.trace(scope, jc.consts_of(b), em.avals(jc.open_jaxpr(b), args), out_dtypes)
+            for b, scope in zip(layout.body("branches"), rec.subs["branches"], strict=True)
+        )
+        return ho.rebind(eqn, invals, {"branches": branches})
+
+    def while_loop(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        layout = rec.layout
+        ops = layout.split(invals)  # carries already in their nodes' dtypes (rec.operands)
+        dtypes = [jnp.result_type(v) for v in ops["carry"]]
+        cj, bj = layout.body("cond"), layout.body("body")
+        cond = em.trace(
+            rec.subs["cond"],
+            jc.consts_of(cj),
+            em.avals(jc.open_jaxpr(cj), ops["cond_consts"] + ops["carry"]),
+        )
+        body = em.trace(
+            rec.subs["body"],
+            jc.consts_of(bj),
+            em.avals(jc.open_jaxpr(bj), ops["body_consts"] + ops["carry"]),
+            dtypes,
+        )
+        return ho.rebind(eqn, invals, {"cond": cond, "body": body})
+
+    def scan(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
+        layout = rec.layout
+        ops = layout.split(invals)  # consts, carries and xs in their nodes' dtypes
+        carry_dtypes = [jnp.result_type(v) for v in ops["carry"]]
+        y_dtypes = em.carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[layout.size("carry") :]])
+        # xs slices: the body's invars' shapes, the stacked operands' dtypes
+        in_avals = em.avals(layout.inner(), ops["consts"] + ops["carry"] + ops["xs"])
+        body = layout.body()
+        new_body = em.trace(rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes)
+        return ho.rebind(eqn, invals, {"body": new_body})
+
+
+#: The default control: the rewrite itself.
+STAGED = Staged()
+_METHODS = {ho.WHILE: "while_loop"}
 
 
 class Emitter:
-    """Evaluates painted jaxpr scopes, inserting casts (see the module docstring)."""
+    """Evaluates painted jaxpr scopes, inserting casts (see the module docstring).
+
+    The one interpreter loop of the project: :meth:`run` / :meth:`execute` / :meth:`step`.
+    ``control`` decides how higher-order equations execute (staged by default) and
+    ``hooks`` hears of values and casts.
+    """
 
     def __init__(
         self,
@@ -72,6 +160,9 @@ class Emitter:
         dtype: Any,
         options: dict[str, Any],
         trace_cache: dict[Any, Any] | None = None,
+        *,
+        hooks: Hooks | None = None,
+        control: Staged | None = None,
     ):
         self.graph = graph
         self.painting = painting
@@ -80,24 +171,30 @@ class Emitter:
         #: Rewritten bodies by (scope, input avals, output dtypes): reusing the same jaxpr
         #: object lets ``jit`` hit its compilation cache on repeated eager calls.
         self.trace_cache = trace_cache
-        #: When a list, every cast inserted is recorded as (where, value, from, to).
-        self.cast_log: list[tuple[str, str, str, str]] | None = None
-        self._where = ""
-
-    def _log(self, where: str, what: str, src: Any, dst: Any) -> None:
-        if self.cast_log is not None:
-            self.cast_log.append((where, what, str(src), str(np.dtype(dst))))
+        self.hooks = hooks if hooks is not None else Hooks()
+        self.control = control if control is not None else STAGED
+        #: > 0 while a body is being traced for re-binding (values are tracers there).
+        self.depth = 0
+        self.where = ""
 
     # -- dtype decisions -----------------------------------------------------------------
 
-    def _is_half(self, node: int | None) -> bool:
+    def is_half(self, node: int | None) -> bool:
         return node is not None and node in self.painting.allow
 
-    def _target(self, node: int | None, dtype: Any) -> Any:
+    def target(self, node: int | None, dtype: Any) -> Any:
         """The dtype a value of original ``dtype`` takes at a node painted as ``node``."""
-        return self.half if self._is_half(node) and is_f32(dtype) else dtype
+        return self.half if self.is_half(node) and is_f32(dtype) else dtype
 
-    # -- evaluation ----------------------------------------------------------------------
+    def carry_dtypes(self, nodes: list[int | None], avals: Sequence[Any]) -> list[Any]:
+        return [self.target(n, a.dtype) for n, a in zip(nodes, avals, strict=True)]
+
+    def _wanted(self, atom: Any, nodes: list[int]) -> Any:
+        """The dtype every reader of a call operand wants, or None (pass it as it is)."""
+        wanted = {self.target(n, atom.aval.dtype) for n in nodes}
+        return wanted.pop() if len(wanted) == 1 else None
+
+    # -- the interpreter loop ------------------------------------------------------------
 
     def run(
         self,
@@ -112,24 +209,74 @@ class Emitter:
         equations, so a value cast for a consumer is not cast again for the output).
         """
         jaxpr = scope.jaxpr
-        env: dict[Any, Any] = {}
-        for var, val in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
-            env[var] = val
+        env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
         read = self.reader(env)
-
-        for eqn, rec in zip(jaxpr.eqns, scope.eqns, strict=True):
-            region = in_float32_region(jc.name_stack(eqn))
-            scope_cm = jax.named_scope(FLOAT32_REGION_SCOPE) if region else contextlib.nullcontext()
-            self._where = self._path(scope, eqn, rec)
-            with scope_cm:
-                outs = self._eqn(eqn, rec, read)
-            for var, val in zip(eqn.outvars, outs, strict=True):
-                if not jc.is_drop_var(var):
-                    env[var] = val
-        self._where = f"{scope.path}<outputs>"
+        self.controller().execute(self, scope, env, read)
+        self.where = f"{scope.path}<outputs>"
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars]
         return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
+
+    def controller(self) -> Staged:
+        """The control in force: bodies traced for re-binding are always staged."""
+        return self.control if self.depth == 0 else STAGED
+
+    def execute(
+        self, scope: ScopeRec, env: dict[Any, Any], read: Any, start: int, end: int
+    ) -> None:
+        """Runs equations ``start:end`` of a scope, writing their outputs into ``env``."""
+        jaxpr = scope.jaxpr
+        for i in range(start, end):
+            eqn, rec = jaxpr.eqns[i], scope.eqns[i]
+            self.where = self._path(scope, eqn, rec)
+            if in_float32_region(jc.name_stack(eqn)):
+                with jax.named_scope(FLOAT32_REGION_SCOPE):
+                    outs = self.step(eqn, rec, read)
+            else:
+                outs = self.step(eqn, rec, read)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not jc.is_drop_var(var):
+                    env[var] = val
+
+    def step(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
+        """One equation: operands read in the painted dtypes, then executed."""
+        if rec.kind == "leaf":
+            outs = self._leaf(eqn, rec.node, read)
+        elif rec.kind == "opaque":
+            outs = self._opaque(eqn, read)
+        else:
+            control = self.controller()
+            method = getattr(control, _METHODS.get(rec.kind, rec.kind))
+            outs = method(self, eqn, rec, self.operands(eqn, rec, read))
+        if rec.node is not None:
+            self.hooks.value(self, eqn, rec, outs)
+        return outs
+
+    def operands(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
+        """A higher-order equation's operands in the dtypes its painting wants: a fused
+        unit's in its colour; loop operands in their structural nodes' dtypes; a call's in
+        the dtype all its inner readers want (one cast, outside)."""
+        if rec.kind == "unit":
+            return [read(a, self.target(rec.node, a.aval.dtype)) for a in eqn.invars]
+        if rec.operands:
+            return [
+                read(a) if n is None else read(a, self.target(n, a.aval.dtype))
+                for a, n in zip(eqn.invars, rec.operands, strict=True)
+            ]
+        if rec.operand_consumers:
+            return [
+                read(a, self._wanted(a, nodes))
+                for a, nodes in zip(eqn.invars, rec.operand_consumers, strict=True)
+            ]
+        return [read(a) for a in eqn.invars]
+
+    def as_read(self, eqn: Any, rec: EqnRec, outs: Sequence[Any]) -> list[Any]:
+        """An equation's float outputs as its half-precision readers see them: a half sum
+        accumulates in float32 and is read cast to half."""
+        floats = [o for o, v in zip(outs, eqn.outvars, strict=True) if is_float(v.aval.dtype)]
+        if accumulates_in_float32(eqn, self.is_half(rec.node)):
+            floats = [cast(f, self.half) for f in floats]
+        return floats
 
     def reader(self, env: dict[Any, Any]) -> Any:
         """``read(atom, dtype=None)`` over ``env``: the atom's value, cast to ``dtype`` at most
@@ -153,10 +300,30 @@ class Emitter:
             if key not in casts:
                 keep.append(val)
                 casts[key] = lax.convert_element_type(val, dtype)
-                self._log(self._where, _describe(atom), jnp.result_type(val), dtype)
+                self.hooks.cast(self.where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
         return read
+
+    # -- staging bodies --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[None]:
+        """While bodies are traced for re-binding (values are tracers, control is staged)."""
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def avals(self, inner: Any, values: Sequence[Any]) -> list[Any]:
+        """Abstract values for the invars of ``inner`` taking ``values``: the invars' shapes,
+        shardings and manual axes, the values' dtypes and weak types."""
+        out = []
+        for var, val in zip(inner.invars, values, strict=True):
+            t = jax.typeof(val)
+            out.append(jc.abstract_value(var.aval, t.dtype, t.weak_type))
+        return out
 
     def trace(
         self,
@@ -170,55 +337,30 @@ class Emitter:
         def fun(*args: Any) -> list[Any]:
             return self.run(scope, consts, args, out_dtypes)
 
-        if self.trace_cache is None or self.cast_log is not None:
-            return jax.make_jaxpr(fun)(*in_avals)
+        def make() -> Any:
+            with self.staging():
+                return jax.make_jaxpr(fun)(*in_avals)
+
+        if self.trace_cache is None:
+            return make()
         key = (
             id(scope),
-            tuple((a.shape, str(a.dtype), a.weak_type) for a in in_avals),
+            tuple(jc.abstract_key(a) for a in in_avals),
             None if out_dtypes is None else tuple(str(d) for d in out_dtypes),
         )
         if key not in self.trace_cache:
-            self.trace_cache[key] = jax.make_jaxpr(fun)(*in_avals)
+            self.trace_cache[key] = make()
         return self.trace_cache[key]
-
-    def _wanted(self, atom: Any, nodes: list[int]) -> Any:
-        """The dtype every reader of a call operand wants, or None (pass it as it is)."""
-        wanted = {self._target(n, atom.aval.dtype) for n in nodes}
-        return wanted.pop() if len(wanted) == 1 else None
 
     def _path(self, scope: ScopeRec, eqn: Any, rec: EqnRec) -> str:
         if rec.node is not None:
             return self.graph.nodes[rec.node].path
         return f"{scope.path}{eqn.primitive.name}"
 
-    # -- one equation ---------------------------------------------------------------------
-
-    def _eqn(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
-        if rec.kind == "leaf":
-            return self._leaf(eqn, rec.node, read)
-        if rec.kind == "opaque":
-            return self._opaque(eqn, read)
-        if rec.kind == "unit":
-            invals = [read(a, self._target(rec.node, a.aval.dtype)) for a in eqn.invars]
-            return self._call(eqn, rec, invals)
-        if rec.operands:
-            invals = [
-                read(a) if n is None else read(a, self._target(n, a.aval.dtype))
-                for a, n in zip(eqn.invars, rec.operands, strict=True)
-            ]
-        elif rec.operand_consumers:
-            invals = [
-                read(a, self._wanted(a, nodes))
-                for a, nodes in zip(eqn.invars, rec.operand_consumers, strict=True)
-            ]
-        else:
-            invals = [read(a) for a in eqn.invars]
-        if rec.kind == "call":
-            return self._call(eqn, rec, invals)
-        return getattr(self, "_" + rec.kind)(eqn, rec, invals)
+    # -- leaf equations ---------------------------------------------------------------------
 
     def _leaf(self, eqn: Any, node: int | None, read: Any) -> list[Any]:
-        half = self._is_half(node)
+        half = self.is_half(node)
         name = eqn.primitive.name
         if name == "convert_element_type":
             # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
@@ -227,11 +369,11 @@ class Emitter:
             if half:
                 params["new_dtype"] = self.half
             return bind(eqn, [read(eqn.invars[0])], params)
-        if half and name in ACCUMULATING:
+        if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
             return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
-        invals = [read(a, self._target(node, a.aval.dtype)) for a in eqn.invars]
+        invals = [read(a, self.target(node, a.aval.dtype)) for a in eqn.invars]
         params = dict(eqn.params)
         if half:
             for key in _DTYPE_PARAMS:
@@ -259,8 +401,10 @@ class Emitter:
 
     def _opaque(self, eqn: Any, read: Any) -> list[Any]:
         """An equation holding jaxprs we do not see through: same signature, bodies
-        rewritten as programs of their own."""
+        rewritten as programs of their own (run as written when nothing is painted)."""
         invals = [read(a, a.aval.dtype) for a in eqn.invars]
+        if not self.painting.changed:
+            return bind(eqn, invals, eqn.params)
         params = {}
         for key, value in eqn.params.items():
             if type(value) is tuple:
@@ -286,29 +430,18 @@ class Emitter:
         )
         return jc.same_form(value, new, eqn_name="opaque body")
 
-    # -- calls ------------------------------------------------------------------------------
+    # -- custom derivatives ------------------------------------------------------------------
 
-    def _call(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        name = eqn.primitive.name
-        param = CALL_BODIES.get(name, "jaxpr")
-        body = eqn.params[param]
-        scope = rec.subs["body"]
-        consts = jc.consts_of(body)
-        if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
-            return self._custom(eqn, scope, consts, invals)
-        if name == "shard_map":
-            return self._shard_map(eqn, scope, invals)
-        closed = self.trace(scope, consts, _avals_like(jc.open_jaxpr(body).invars, invals))
-        return bind(eqn, invals, {**eqn.params, param: jc.same_form(body, closed, name)})
-
-    def _custom(self, eqn: Any, scope: ScopeRec, consts: list[Any], invals: list[Any]):
+    def custom(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         """Re-wraps a custom derivative so its rule runs as written, in the original dtypes."""
+        scope = rec.subs["body"]
+        consts = jc.consts_of(rec.layout.body())
         orig_in = [a.aval.dtype for a in eqn.invars]
 
         def body(*args: Any) -> tuple[Any, ...]:
             return tuple(self.run(scope, consts, args))
 
-        body.__name__ = jc.function_name(jc.open_jaxpr(eqn.params[CALL_BODIES[eqn.primitive.name]]))
+        body.__name__ = jc.function_name(rec.layout.inner())
 
         def original(*args: Any) -> list[Any]:
             return bind(eqn, list(args), eqn.params)
@@ -316,7 +449,7 @@ class Emitter:
         def to_original(values: Sequence[Any]) -> list[Any]:
             return [cast(v, d) for v, d in zip(values, orig_in, strict=True)]
 
-        if eqn.primitive.name == "custom_jvp_call":
+        if rec.kind == ho.CUSTOM_JVP:
             fun = jax.custom_jvp(body)
 
             @fun.defjvp
@@ -329,104 +462,26 @@ class Emitter:
                 _, tout = jax.jvp(original, to_original(primals), tangents)
                 return out, tuple(_cast_like(t, o) for t, o in zip(tout, out, strict=True))
 
-            return list(fun(*invals))
+        else:
+            fun = jax.custom_vjp(body)
+            in_dtypes = [jnp.result_type(v) for v in invals]
 
-        fun = jax.custom_vjp(body)
-        in_dtypes = [jnp.result_type(v) for v in invals]
+            def fwd(*primals):
+                out = body(*primals)
+                _, vjp_fn = jax.vjp(original, *to_original(primals))
+                return out, vjp_fn
 
-        def fwd(*primals):
-            out = body(*primals)
-            _, vjp_fn = jax.vjp(original, *to_original(primals))
-            return out, vjp_fn
-
-        def bwd(vjp_fn, cts):
-            orig_out = [v.aval.dtype for v in eqn.outvars]
-            grads = vjp_fn([cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
-            return tuple(
-                cast(g, d) if is_float(d) else None for g, d in zip(grads, in_dtypes, strict=True)
-            )
-
-        fun.defvjp(fwd, bwd)
-        return list(fun(*invals))
-
-    def _shard_map(self, eqn: Any, scope: ScopeRec, invals: list[Any]) -> list[Any]:
-        p = eqn.params
-        axis_names = p.get("newly_manual_axes", p.get("manual_axes"))
-        kwargs: dict[str, Any] = {}
-        if axis_names is not None:
-            kwargs["axis_names"] = set(axis_names)
-        if "check_vma" in p:
-            kwargs["check_vma"] = p["check_vma"]
-        fun = jax.shard_map(
-            lambda *args: tuple(self.run(scope, [], args)),
-            mesh=p["mesh"],
-            in_specs=tuple(p["in_specs"]),
-            out_specs=tuple(p["out_specs"]),
-            **kwargs,
-        )
-        return list(fun(*invals))
-
-    # -- control flow -----------------------------------------------------------------------
-
-    def _carry_dtypes(self, nodes: list[int | None], avals: Sequence[Any]) -> list[Any]:
-        return [self._target(n, a.dtype) for n, a in zip(nodes, avals, strict=True)]
-
-    def _cond(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        out_dtypes = self._carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
-        branches = []
-        for branch, scope in zip(eqn.params["branches"], rec.subs["branches"], strict=True):
-            inner = jc.open_jaxpr(branch)
-            branches.append(
-                self.trace(
-                    scope, jc.consts_of(branch), _avals_like(inner.invars, invals[1:]), out_dtypes
+            def bwd(vjp_fn, cts):
+                orig_out = [v.aval.dtype for v in eqn.outvars]
+                grads = vjp_fn([cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
+                return tuple(
+                    cast(g, d) if is_float(d) else None
+                    for g, d in zip(grads, in_dtypes, strict=True)
                 )
-            )
-        return bind(eqn, invals, {**eqn.params, "branches": tuple(branches)})
 
-    def _while(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        p = eqn.params
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        carry_avals = [v.aval for v in eqn.invars[nc + nb :]]
-        dtypes = self._carry_dtypes(rec.carries, carry_avals)
-        init = invals[nc + nb :]  # already in the carries' dtypes (rec.operands)
-        cconsts, bconsts = invals[:nc], invals[nc : nc + nb]
-        cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
-        cond = self.trace(
-            rec.subs["cond"],
-            jc.consts_of(cj),
-            _avals_like(jc.open_jaxpr(cj).invars, cconsts + init),
-        )
-        body = self.trace(
-            rec.subs["body"],
-            jc.consts_of(bj),
-            _avals_like(jc.open_jaxpr(bj).invars, bconsts + init),
-            dtypes,
-        )
-        return bind(eqn, cconsts + bconsts + init, {**p, "cond_jaxpr": cond, "body_jaxpr": body})
-
-    def _scan(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        p = eqn.params
-        nconst, ncarry = p["num_consts"], p["num_carry"]
-        body = p["jaxpr"]
-        inner = jc.open_jaxpr(body)
-        carry_dtypes = self._carry_dtypes(
-            rec.carries, [v.aval for v in eqn.invars[nconst : nconst + ncarry]]
-        )
-        x_dtypes = self._carry_dtypes(rec.xs, [v.aval for v in eqn.invars[nconst + ncarry :]])
-        y_dtypes = self._carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[ncarry:]])
-        consts = invals[:nconst]
-        init, xs = invals[nconst : nconst + ncarry], invals[nconst + ncarry :]
-        x_slices = [
-            jax.ShapeDtypeStruct(a.shape, d)
-            for a, d in zip(
-                [v.aval for v in inner.invars[nconst + ncarry :]], x_dtypes, strict=True
-            )
-        ]
-        in_avals = _avals_like(inner.invars[: nconst + ncarry], consts + init) + x_slices
-        new_body = self.trace(
-            rec.subs["body"], jc.consts_of(body), in_avals, carry_dtypes + y_dtypes
-        )
-        return bind(eqn, consts + init + xs, {**p, "jaxpr": new_body})
+            fun.defvjp(fwd, bwd)
+        with self.staging():
+            return list(fun(*invals))
 
 
 def _literal(value: Any, dtype: Any) -> Any:
@@ -459,10 +514,9 @@ def _cast_like(value: Any, like: Any) -> Any:
     return cast(value, jnp.result_type(like))
 
 
-def bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
-    """Binds ``eqn``'s primitive with ``params``; always a list of outputs."""
-    out = eqn.primitive.bind(*invals, **jc.bind_params(eqn, params))
-    return list(out) if eqn.primitive.multiple_results else [out]
+def accumulates_in_float32(eqn: Any, half: bool) -> bool:
+    """Whether a half-painted equation is a sum kept in float32 (see :data:`ACCUMULATING`)."""
+    return half and eqn.primitive.name in ACCUMULATING
 
 
 def rewrite_closed(
@@ -483,10 +537,7 @@ def rewrite_closed(
         return closed
     emitter = Emitter(graph, painting, dtype, options)
     inner = jc.open_jaxpr(closed)
-    in_avals = [
-        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-        for v in inner.invars
-    ]
+    in_avals = [jc.abstract_value(v.aval) for v in inner.invars]
     consts = jc.consts_of(closed)
     if out_dtypes is None:
         out_dtypes = [v.aval.dtype for v in inner.outvars]

@@ -22,8 +22,9 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import rewrite as rewrite_lib
-from jmp_rewrite._src.emit import ACCUMULATING, Emitter
-from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
+from jmp_rewrite._src.emit import Emitter, Hooks
+from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
+from jmp_rewrite._src.graph import Graph, Node
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
 LIST_COLOURS = {
@@ -39,40 +40,26 @@ _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
-class EquationReport:
+class EquationReport(EquationPaint):
     """One equation (or loop carry / cond output / scan stream) of an explained program.
 
+    The fields of :class:`jmp_rewrite.EquationPaint` (path, primitive, key, list, colour,
+    painted_by, float32, in_float32_region, scope), and:
+
     Attributes:
-      path: location, e.g. ``scan/body/dot_general``.
-      primitive: primitive name (``<carry>``, ``<cond-output>``, ``<xs>``, ``<ys>`` for
-        structural vertices).
-      list: the list of the equation's key for this dtype (``unlisted`` if on none).
-      colour: ``allow`` (runs in half precision), ``deny`` or ``float32``.
-      painted_by: the TF pass that decided the colour, or None.
       in_dtypes: float input dtypes before the rewrite.
       in_dtypes_after: float input dtypes as the rewritten equation runs.
       out_dtypes: output dtypes before.
       out_dtypes_after: output dtypes after.
       flops: multiply-add FLOPs x2 for dot_general / conv equations (times the enclosing
         ``scan`` lengths), else 0.
-      in_float32_region: inside a :func:`jmp_rewrite.float32_region` (never converted).
     """
 
-    path: str
-    primitive: str
-    list: str
-    colour: str
-    painted_by: str | None
-    in_dtypes: tuple[str, ...]
-    in_dtypes_after: tuple[str, ...]
-    out_dtypes: tuple[str, ...]
-    out_dtypes_after: tuple[str, ...]
+    in_dtypes: tuple[str, ...] = ()
+    in_dtypes_after: tuple[str, ...] = ()
+    out_dtypes: tuple[str, ...] = ()
+    out_dtypes_after: tuple[str, ...] = ()
     flops: int = 0
-    in_float32_region: bool = False
-
-    @property
-    def half(self) -> bool:
-        return self.colour == "allow"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,10 +236,10 @@ def _trip_counts(graph: Graph) -> dict[int, int]:
     counts: dict[int, int] = {}
 
     def visit(scope: Any, mult: int) -> None:
-        for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
+        for rec in scope.eqns:
             if rec.node is not None:
                 counts[rec.node] = mult
-            inner = mult * eqn.params["length"] if rec.kind == "scan" else mult
+            inner = mult * (rec.layout.length if rec.layout is not None else 1)
             for sub in rec.subs.values():
                 for s in sub if isinstance(sub, list) else [sub]:
                     visit(s, inner)
@@ -261,41 +248,27 @@ def _trip_counts(graph: Graph) -> dict[int, int]:
     return counts
 
 
-def _equation(n: Node, colour: str, painted_by: str | None, half: str, trips: int):
-    region = not n.process and n.unit is None
-    if n.eqn is None:  # structural vertex: a carry, cond output or scan stream
-        dt = "float32" if n.float32 else "float"
-        after = half if colour == "allow" else dt
-        return EquationReport(
-            n.path, n.key, n.listed_kind, colour, painted_by, (dt,), (after,), (dt,), (after,)
-        )
-    eqn = n.eqn
-    to_half = colour == "allow"
-    ins = [a.aval.dtype for a in eqn.invars if is_float(a.aval.dtype)]
-    outs = [v.aval.dtype for v in eqn.outvars]
-
-    def after(d: Any) -> str:
-        return half if to_half and is_f32(d) else _short(d)
-
-    out_after = [after(d) for d in outs]
-    if to_half and eqn.primitive.name in ("convert_element_type", *ACCUMULATING):
-        # a retargeted cast takes its input as it is; a half sum accumulates in float32
-        ins_after = [_short(d) for d in ins]
-    else:
-        ins_after = [after(d) for d in ins]
+def _equation(graph: Graph, painting: Any, n: Node, half: str, trips: int) -> EquationReport:
+    facts = equation_facts(graph, painting, n)
+    d = dtypes_after(n, facts["colour"], half)
     return EquationReport(
-        path=n.path,
-        primitive=eqn.primitive.name if not n.key.startswith("jit:") else n.key,
-        list=n.listed_kind,
-        colour=colour,
-        painted_by=painted_by,
-        in_dtypes=tuple(_short(d) for d in ins),
-        in_dtypes_after=tuple(ins_after),
-        out_dtypes=tuple(_short(d) for d in outs),
-        out_dtypes_after=tuple(out_after),
-        flops=_flops(eqn) * trips,
-        in_float32_region=region,
+        **facts,
+        in_dtypes=d["in"],
+        in_dtypes_after=d["in_after"],
+        out_dtypes=d["out"],
+        out_dtypes_after=d["out_after"],
+        flops=_flops(n.eqn) * trips if n.eqn is not None else 0,
     )
+
+
+class _CastLog(Hooks):
+    """Hears of every cast the emitter inserts."""
+
+    def __init__(self) -> None:
+        self.casts: list[CastReport] = []
+
+    def cast(self, where: str, what: str, src: Any, dst: Any) -> None:
+        self.casts.append(CastReport(where, what, str(src), str(np.dtype(dst))))
 
 
 def _has_backward_pass(graph: Graph) -> bool:
@@ -368,15 +341,10 @@ def explain(
     half = _short(entry.config.dtype)
     graph, painting = entry.graph, entry.painting
     trips = _trip_counts(graph)
-    equations = []
-    for n in graph.nodes:
-        colour = painting.colour(n.id) if painting.changed else "float32"
-        by = painting.painted_by.get(n.id) if painting.changed else None
-        equations.append(_equation(n, colour, by, half, trips.get(n.id, 1)))
-    casts: list[tuple[str, str, str, str]] = []
+    equations = [_equation(graph, painting, n, half, trips.get(n.id, 1)) for n in graph.nodes]
+    log = _CastLog()
     if painting.changed:
-        emitter = Emitter(graph, painting, entry.config.dtype, entry.config.options)
-        emitter.cast_log = casts
+        emitter = Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log)
         inner = jc.open_jaxpr(entry.closed)
 
         def emit(*a: Any) -> list[Any]:
@@ -393,7 +361,7 @@ def explain(
         dtype=half,
         changed=painting.changed,
         equations=tuple(equations),
-        casts=tuple(CastReport(*c) for c in casts),
+        casts=tuple(log.casts),
         residual_bytes_float32=before,
         residual_bytes_rewritten=after,
     )

@@ -31,22 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.regions import in_float32_region
 
-#: Call-like primitives whose body is inlined into the painting graph, and the param that
-#: holds the body.
-CALL_BODIES: dict[str, str] = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "shard_map": "jaxpr",
-}
+#: Kinds of higher-order equation whose body is inlined as a call.
+_CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
 #: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
@@ -79,8 +68,8 @@ def op_key(eqn: Any, lists: Any) -> str:
     if name == "integer_pow":
         y = eqn.params["y"]
         return "reciprocal" if y == -1 else "square" if y == 2 else "integer_pow"
-    if name in ("jit", "pjit"):
-        unit = "jit:" + unit_name(str(eqn.params.get("name", "")))
+    if ho.jit_name(eqn):
+        unit = "jit:" + unit_name(ho.jit_name(eqn))
         if lists.kind(unit) != "unlisted":
             return unit
     return name
@@ -98,11 +87,7 @@ def eqn_is_float32(eqn: Any) -> bool:
 
 def has_jaxpr_param(eqn: Any) -> bool:
     """Whether an equation holds a jaxpr in its params (directly or in a tuple)."""
-    for value in eqn.params.values():
-        values = value if type(value) is tuple else (value,)
-        if any(jc.is_any_jaxpr(v) for v in values):
-            return True
-    return False
+    return bool(ho.held_jaxprs(eqn))
 
 
 def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
@@ -112,12 +97,12 @@ def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
         return [[] for _ in range(n)]
     if rec.kind in ("leaf", "opaque", "unit"):
         return [[rec.node] for _ in range(n)]
-    if rec.kind in ("while", "scan"):
+    if rec.kind in (ho.WHILE, ho.SCAN):
         return [[] if node is None else [node] for node in rec.operands]
-    if rec.kind == "call":
+    if rec.kind in _CALL_KINDS:
         sub = rec.subs["body"]
         return [sub.consumers.get(v, []) for v in sub.jaxpr.invars]
-    if rec.kind == "cond":
+    if rec.kind == ho.COND:
         out: list[list[int]] = [[]]
         for i in range(n - 1):
             out.append(
@@ -164,8 +149,13 @@ class Node:
 class EqnRec:
     """How one equation of one jaxpr instance was mapped into the graph."""
 
-    kind: str  # leaf | call | cond | while | scan | unit | opaque
+    kind: str  # leaf | opaque | unit | call | custom_jvp | custom_vjp | shard_map | cond | ...
     node: int | None = None
+    #: the higher-order layout (None for leaf and opaque equations).
+    layout: Any = None
+    #: position among all equation records of the graph, in build order: stable across
+    #: re-paintings of the same program (``compare(...).apply()`` keys loops by it).
+    index: int = 0
     subs: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: while/scan: carry node per carry (None: not a float carry); cond: output nodes.
     carries: list[int | None] = dataclasses.field(default_factory=list)
@@ -197,6 +187,7 @@ class Graph:
     def __init__(self, closed: Any, lists: Any):
         self.lists = lists
         self.nodes: list[Node] = []
+        self._n_recs = 0
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
         self.top, outs = self._scope(jaxpr, [None] * n_in, "", False, None)
@@ -263,20 +254,18 @@ class Graph:
             process = not in_region and unit is None
             ins = [source(a) for a in eqn.invars]
             key = op_key(eqn, self.lists)
-            if key.startswith("jit:"):
-                out, erec = self._unit(eqn, key, ins, here, in_region, unit)
-            elif name in CALL_BODIES and CALL_BODIES[name] in eqn.params:
-                body = eqn.params[CALL_BODIES[name]]
+            layout = ho.describe(eqn)
+            if key.startswith("jit:") and layout is not None:
+                out, erec = self._unit(eqn, layout, key, ins, here, in_region, unit)
+            elif layout is not None and layout.kind in _CALL_KINDS:
+                body = layout.body()
                 sub, out = self._scope(
                     jc.open_jaxpr(body), self._with_consts(body, ins), f"{here}/", in_region, unit
                 )
-                erec = EqnRec("call", subs={"body": sub})
-            elif name == "cond":
-                out, erec = self._cond(eqn, ins, here, in_region, unit)
-            elif name == "while":
-                out, erec = self._while(eqn, ins, here, in_region, unit)
-            elif name == "scan":
-                out, erec = self._scan(eqn, ins, here, in_region, unit)
+                erec = EqnRec(layout.kind, subs={"body": sub})
+            elif layout is not None:
+                build = {ho.COND: self._cond, ho.WHILE: self._while, ho.SCAN: self._scan}
+                out, erec = build[layout.kind](eqn, layout, ins, here, in_region, unit)
             else:
                 # Other jaxpr-holding equations are opaque and keep their signature, except
                 # scatters, re-emitted at another dtype through jax.lax.
@@ -298,9 +287,12 @@ class Graph:
             for var, src in zip(eqn.outvars, out, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src
+            erec.layout = layout if erec.kind != "opaque" else None
+            erec.index = self._n_recs
+            self._n_recs += 1
             rec.eqns.append(erec)
             operand_consumers = _operand_consumers(eqn, erec)
-            if erec.kind in ("call", "cond"):
+            if erec.kind in (*_CALL_KINDS, ho.COND):
                 erec.operand_consumers = operand_consumers
             for atom, nodes in zip(eqn.invars, operand_consumers, strict=True):
                 if not jc.is_literal(atom) and atom in rec.consumers:
@@ -334,12 +326,12 @@ class Graph:
             if node is not None and src is not None:
                 self.nodes[node].fanin.append(src)
 
-    def _unit(self, eqn, key, ins, path, region, unit):
+    def _unit(self, eqn, layout, key, ins, path, region, unit):
         process = not region and unit is None
         node = self._node(
             key, path, float32=eqn_is_float32(eqn), process=process, unit=unit, fanin=ins, eqn=eqn
         )
-        body = eqn.params["jaxpr"]
+        body = layout.body()
         inner = [
             node if s is not None or is_float(v.aval.dtype) else None
             for s, v in zip(ins, eqn.invars, strict=True)
@@ -350,16 +342,17 @@ class Graph:
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
         return out, EqnRec("unit", node=node, subs={"body": sub})
 
-    def _cond(self, eqn, ins, path, region, unit):
+    def _cond(self, eqn, layout, ins, path, region, unit):
         process = not region and unit is None
         outs = self._structural(
             "<cond-output>", f"{path}/output", [v.aval for v in eqn.outvars], process, unit
         )
         subs = []
-        for i, branch in enumerate(eqn.params["branches"]):
+        args = layout.split(ins)["args"]
+        for i, branch in enumerate(layout.body("branches")):
             sub, bouts = self._scope(
                 jc.open_jaxpr(branch),
-                self._with_consts(branch, ins[1:]),
+                self._with_consts(branch, args),
                 f"{path}/branch{i}/",
                 region,
                 unit,
@@ -368,71 +361,49 @@ class Graph:
             subs.append(sub)
         return outs, EqnRec("cond", subs={"branches": subs}, carries=outs)
 
-    def _while(self, eqn, ins, path, region, unit):
-        p = eqn.params
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        init = ins[nc + nb :]
+    def _while(self, eqn, layout, ins, path, region, unit):
         process = not region and unit is None
-        consts = self._consts(eqn.invars[: nc + nb], ins[: nc + nb], path, process, unit)
-        cconsts, bconsts = consts[:nc], consts[nc:]
+        ops, atoms = layout.split(ins), layout.split(eqn.invars)
+        cconsts = self._consts(atoms["cond_consts"], ops["cond_consts"], path, process, unit)
+        bconsts = self._consts(atoms["body_consts"], ops["body_consts"], path, process, unit)
         carries = self._structural(
-            "<carry>", f"{path}/carry", [v.aval for v in eqn.invars[nc + nb :]], process, unit
+            "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
-        self._link(carries, init)
-        csub, _ = self._scope(
-            jc.open_jaxpr(p["cond_jaxpr"]),
-            self._with_consts(p["cond_jaxpr"], cconsts + carries),
-            f"{path}/cond/",
-            region,
-            unit,
-        )
-        bsub, bouts = self._scope(
-            jc.open_jaxpr(p["body_jaxpr"]),
-            self._with_consts(p["body_jaxpr"], bconsts + carries),
-            f"{path}/body/",
-            region,
-            unit,
-        )
+        self._link(carries, ops["carry"])
+        csub, _ = self._body(layout, "cond", cconsts + carries, path, region, unit)
+        bsub, bouts = self._body(layout, "body", bconsts + carries, path, region, unit)
         self._link(carries, bouts)
-        rec = EqnRec("while", subs={"cond": csub, "body": bsub}, carries=carries)
-        rec.operands = consts + carries
+        rec = EqnRec(ho.WHILE, subs={"cond": csub, "body": bsub}, carries=carries)
+        rec.operands = cconsts + bconsts + carries
         return carries, rec
 
-    def _scan(self, eqn, ins, path, region, unit):
-        p = eqn.params
-        nconst, ncarry = p["num_consts"], p["num_carry"]
-        body = p["jaxpr"]
-        init, xs = ins[nconst : nconst + ncarry], ins[nconst + ncarry :]
+    def _scan(self, eqn, layout, ins, path, region, unit):
         process = not region and unit is None
-        consts = self._consts(eqn.invars[:nconst], ins[:nconst], path, process, unit)
-        inner_in = jc.open_jaxpr(body).invars
+        ops, atoms = layout.split(ins), layout.split(eqn.invars)
+        nconst, ncarry = layout.size("consts"), layout.size("carry")
+        consts = self._consts(atoms["consts"], ops["consts"], path, process, unit)
         carries = self._structural(
-            "<carry>",
-            f"{path}/carry",
-            [v.aval for v in eqn.invars[nconst : nconst + ncarry]],
-            process,
-            unit,
+            "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
-        xnodes = self._structural(
-            "<xs>", f"{path}/xs", [v.aval for v in inner_in[nconst + ncarry :]], process, unit
-        )
-        self._link(carries, init)
-        self._link(xnodes, xs)
-        sub, bouts = self._scope(
-            jc.open_jaxpr(body),
-            self._with_consts(body, consts + carries + xnodes),
-            f"{path}/body/",
-            region,
-            unit,
-        )
+        x_avals = [v.aval for v in layout.inner().invars[nconst + ncarry :]]
+        xnodes = self._structural("<xs>", f"{path}/xs", x_avals, process, unit)
+        self._link(carries, ops["carry"])
+        self._link(xnodes, ops["xs"])
+        sub, bouts = self._body(layout, "body", consts + carries + xnodes, path, region, unit)
         ynodes = self._structural(
             "<ys>", f"{path}/ys", [v.aval for v in eqn.outvars[ncarry:]], process, unit
         )
         self._link(carries, bouts[:ncarry])
         self._link(ynodes, bouts[ncarry:])
-        rec = EqnRec("scan", subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
+        rec = EqnRec(ho.SCAN, subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
         rec.operands = consts + carries + xnodes
         return carries + ynodes, rec
+
+    def _body(self, layout, role, ins, path, region, unit):
+        body = layout.body(role)
+        return self._scope(
+            jc.open_jaxpr(body), self._with_consts(body, ins), f"{path}/{role}/", region, unit
+        )
 
     def _consts(self, atoms, sources, path, process, unit):
         """Loop-invariant operands enter through a clear node (TF's v1 ``Enter``), so a weight

@@ -165,9 +165,14 @@ _def_infer("TF RealDiv (and the div inside FloorDiv)", "div")
 _def_infer("TF Sqrt", "sqrt")
 _def_infer("TF Log", "log")
 _def_infer("TF Log1p", "log1p")
+_def_infer("TF Log: log2(x) is log(x) / log(2) (jax >= 0.12 has its own primitive)", "log2")
 _def_infer("TF Erf", "erf")
 _def_infer("TF Erfc", "erfc")
 _def_infer("TF Tanh", "tanh")
+_def_infer(
+    "TF TanhGrad: 1 - y**2, what tanh's derivative emits since jax 0.12 (before: mul/sub)",
+    "one_minus_square",
+)
 _def_infer("TF Sigmoid", "logistic")
 _def_infer("TF Prod: a product reduction is infer, not deny", "reduce_prod")
 _def_infer("TF AvgPool/AvgPoolGrad (sum window, then div)", "reduce_window_sum")
@@ -200,6 +205,11 @@ _def_deny(
     "cumprod",
 )
 _def_deny("no TF op: running log-sum-exp contains exp and a sum", "cumlogsumexp")
+_def_deny(
+    "no TF op: sum a_k x**k by Horner's rule (jax >= 0.12); its x**N overflows half like "
+    "TF Pow (the x**3 of tanh-GELU)",
+    "polynomial",
+)
 
 # --- depends on the dtype ----------------------------------------------------------------------
 # TF denies Sum/Mean on CUDA fp16 (a half accumulator overflows at 65504 and loses precision),

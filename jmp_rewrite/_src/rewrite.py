@@ -23,6 +23,7 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
+from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
 from jmp_rewrite._src.paint import Painting, paint
 
@@ -176,8 +177,7 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
 
 
 def _aval_key(x: Any) -> Any:
-    t = jax.typeof(x)
-    return (t.shape, t.dtype, t.weak_type)
+    return jc.abstract_key(jax.typeof(x))
 
 
 class _RewrittenFunction:
@@ -254,7 +254,7 @@ class _RewrittenFunction:
             full = [static_args[i] if i in static_args else next(it) for i in range(n)]
             return self.fun(*full, **d_kwargs, **static_kwargs)
 
-        avals = [jax.ShapeDtypeStruct(*_aval_key(x)[:2], weak_type=_aval_key(x)[2]) for x in flat]
+        avals = [jc.abstract_value(jax.typeof(x)) for x in flat]
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
         graph, painting = analyse(closed, config)
         return Rewritten(closed, graph, painting, config, jax.tree.structure(out_shape))
@@ -428,32 +428,6 @@ def rewrite_jaxpr(
 
 
 @dataclasses.dataclass(frozen=True)
-class EquationPaint:
-    """How one equation (or structural vertex) of a program was painted.
-
-    Attributes:
-      path: where it sits, e.g. ``while/body/dot_general`` (sub-jaxprs joined by ``/``).
-      primitive: the primitive name (``<carry>``, ``<cond-output>``, ``<xs>``, ``<ys>`` for
-        loop carries, ``cond`` outputs and ``scan`` streams).
-      key: the list key (``reciprocal``, ``jit:log_softmax``... for virtual keys).
-      list: ``allow``/``infer``/``deny``/``clear``/``unlisted`` for this dtype's lists.
-      colour: ``allow`` (runs in half precision), ``deny`` or ``float32``.
-      painted_by: the TF pass that decided the colour (None: never painted).
-      float32: TF's ``IsFloat32``: whether the equation computes on float32 values.
-      in_float32_region: inside :func:`jmp_rewrite.float32_region`.
-    """
-
-    path: str
-    primitive: str
-    key: str
-    list: str
-    colour: str
-    painted_by: str | None
-    float32: bool
-    in_float32_region: bool
-
-
-@dataclasses.dataclass(frozen=True)
 class PaintResult:
     """The painting of a whole program: one :class:`EquationPaint` per vertex, in order."""
 
@@ -501,22 +475,7 @@ def paint_result(
 ) -> PaintResult:
     if graph is None or painting is None:
         return PaintResult((), None, False)
-    eqs = []
-    for n in graph.nodes:
-        colour = painting.colour(n.id) if painting.changed else "float32"
-        in_region = not n.process and n.unit is None
-        eqs.append(
-            EquationPaint(
-                path=n.path,
-                primitive=n.eqn.primitive.name if n.eqn is not None else n.key,
-                key=n.key,
-                list=n.listed_kind,
-                colour=colour,
-                painted_by=painting.painted_by.get(n.id) if painting.changed else None,
-                float32=n.float32,
-                in_float32_region=in_region,
-            )
-        )
+    eqs = [EquationPaint(**equation_facts(graph, painting, n)) for n in graph.nodes]
     return PaintResult(tuple(eqs), config.dtype, painting.changed)
 
 
