@@ -41,3 +41,47 @@ def test_checker_catches_private_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from jax._src import core\nimport jax._src.pjit\nx = jax._src\n")
     assert len(_private_imports(bad)) == 3
+
+
+#: JAX's parameter names for higher-order primitives' bodies and operand layouts: they live in
+#: higher_order.py (and _jax_compat.py) alone, so a JAX release that renames one touches one
+#: module (issue 7: scan's ``num_consts`` became ``ft_in`` in jax 0.12).
+LAYOUT_PARAMS = (
+    "num_consts",
+    "num_carry",
+    "cond_nconsts",
+    "body_nconsts",
+    "cond_jaxpr",
+    "body_jaxpr",
+    "call_jaxpr",
+    "fun_jaxpr",
+    "ft_in",
+    "in_specs",
+    "branches",
+)
+LAYOUT_HOME = {"higher_order.py", "_jax_compat.py"}
+
+
+def _layout_params(path: pathlib.Path) -> list[str]:
+    """String constants naming a layout parameter (``params["num_consts"]`` and the like)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in LAYOUT_PARAMS
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in SOURCES if p.parts[-3:-1] == ("jmp_rewrite", "_src") and p.name not in LAYOUT_HOME],
+    ids=lambda p: p.name,
+)
+def test_layout_params_only_in_higher_order(path):
+    assert _layout_params(path) == [], f"{path.name} reads JAX's layout params directly"
+
+
+def test_layout_checker_catches_a_param(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('n = eqn.params["num_consts"]\nb = p.get("branches")\n')
+    assert _layout_params(bad) == ["num_consts", "branches"]

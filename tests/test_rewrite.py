@@ -16,6 +16,7 @@ from jax import lax
 from jaxpr_walk import all_eqns, casts, emitted, prims, runs_in_half, scopes
 
 import jmp_rewrite as jr
+from jmp_rewrite._src.higher_order import describe
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 KEY = jax.random.key(0)
@@ -312,7 +313,7 @@ def test_cond_outputs_follow_branches(jit):
         np.testing.assert_allclose(g(pred, X, w), f(pred, X, w), rtol=1e-2, atol=1e-2)
     cond = prims(emitted(jr.rewrite(f, dtype=jnp.float16), True, X, w), "cond")[0]
     assert np.dtype(cond.outvars[0].aval.dtype) == F16
-    for branch in cond.params["branches"]:
+    for branch in describe(cond).body("cases"):
         assert np.dtype(branch.jaxpr.outvars[0].aval.dtype) == F16
 
 
@@ -328,7 +329,7 @@ def test_cond_output_is_a_merge_deny_stays_in_its_branch():
     assert p.colours("exp") == ["deny"] and p.colours("<cond-output>") == ["allow"]
     cond = prims(emitted(jr.rewrite(f, dtype=jnp.float16), True, X, w), "cond")[0]
     assert np.dtype(cond.outvars[0].aval.dtype) == F16
-    exp_branch = cond.params["branches"][0].jaxpr
+    exp_branch = describe(cond).body("cases")[0].jaxpr
     exp = [e for e in exp_branch.eqns if e.primitive.name == "exp"][0]
     assert np.dtype(exp.outvars[0].aval.dtype) == F32
     for pred in (True, False):
@@ -353,9 +354,10 @@ def test_while_and_scan_carries_are_type_consistent(jit):
     assert ys.dtype == F32
     j = emitted(jr.rewrite(f, dtype=jnp.float16), X, 3)
     wl, sc = prims(j, "while")[0], prims(j, "scan")[0]
-    body = wl.params["body_jaxpr"].jaxpr
+    body = describe(wl).inner("body")  # JAX's parameter names live in higher_order.py
     assert np.dtype(body.invars[-1].aval.dtype) == F16 == np.dtype(body.outvars[-1].aval.dtype)
-    sbody, k = sc.params["jaxpr"].jaxpr, sc.params["num_consts"]  # w is a scan const
+    layout = describe(sc)
+    sbody, k = layout.inner(), layout.size("consts")  # w is a scan const
     assert np.dtype(sbody.invars[k].aval.dtype) == F16 == np.dtype(sbody.outvars[0].aval.dtype)
     assert np.dtype(sbody.outvars[1].aval.dtype) == F32  # ys from a deny reduce_sum
 

@@ -246,10 +246,10 @@ class Recorder(Staged, Hooks):
     def cond(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         if self.pending is not None:
             return _staged(super().cond, em, eqn, rec, invals)
-        branches = rec.layout.body("branches")
+        branches = rec.layout.body("cases")
         ops = rec.layout.split(invals)
         index = int(np.clip(int(np.asarray(ops["index"][0])), 0, len(branches) - 1))
-        outs = em.run(rec.subs["branches"][index], jc.consts_of(branches[index]), ops["args"])
+        outs = em.run(rec.subs["cases"][index], jc.consts_of(branches[index]), ops["args"])
         dtypes = em.carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
         outs = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
         self.record_nodes(rec.carries, outs)

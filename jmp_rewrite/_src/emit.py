@@ -51,7 +51,18 @@ _DTYPE_PARAMS = ("preferred_element_type",)
 #: Sums painted half precision still accumulate in float32 (cast, sum, cast back when read
 #: in half), as ``jnp.sum`` does for half inputs and TF's fused half kernels do: a bfloat16
 #: accumulator stalls once the sum outgrows its 8 bits of mantissa.
-ACCUMULATING = ("reduce_sum", "cumsum", "reduce_window_sum")
+#: The same holds for every accumulating primitive: a scatter-add (embedding gradients: the
+#: row of a token seen 4096 times), a cross-device sum.
+ACCUMULATING = (
+    "reduce_sum",
+    "cumsum",
+    "reduce_window_sum",
+    "scatter-add",
+    "scatter-sub",
+    "psum",
+    "psum_invariant",
+    "reduce_scatter",
+)
 
 
 class Hooks:
@@ -106,9 +117,9 @@ class Staged:
         args = layout.split(invals)["args"]
         branches = tuple(
             em.trace(scope, jc.consts_of(b), em.avals(jc.open_jaxpr(b), args), out_dtypes)
-            for b, scope in zip(layout.body("branches"), rec.subs["branches"], strict=True)
+            for b, scope in zip(layout.body("cases"), rec.subs["cases"], strict=True)
         )
-        return ho.rebind(eqn, invals, {"branches": branches})
+        return ho.rebind(eqn, invals, {"cases": branches})
 
     def while_loop(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         layout = rec.layout
@@ -241,7 +252,7 @@ class Emitter:
     def step(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
         """One equation: operands read in the painted dtypes, then executed."""
         if rec.kind == "leaf":
-            outs = self._leaf(eqn, rec.node, read)
+            outs = self._leaf(eqn, rec, read)
         elif rec.kind == "opaque":
             outs = self._opaque(eqn, read)
         else:
@@ -257,18 +268,23 @@ class Emitter:
         unit's in its colour; loop operands in their structural nodes' dtypes; a call's in
         the dtype all its inner readers want (one cast, outside)."""
         if rec.kind == "unit":
-            return [read(a, self.target(rec.node, a.aval.dtype)) for a in eqn.invars]
-        if rec.operands:
-            return [
-                read(a) if n is None else read(a, self.target(n, a.aval.dtype))
+            wanted = [self.target(rec.node, a.aval.dtype) for a in eqn.invars]
+        elif rec.operands:
+            wanted = [
+                None if n is None else self.target(n, a.aval.dtype)
                 for a, n in zip(eqn.invars, rec.operands, strict=True)
             ]
-        if rec.operand_consumers:
-            return [
-                read(a, self._wanted(a, nodes))
+        elif rec.operand_consumers:
+            wanted = [
+                self._wanted(a, nodes)
                 for a, nodes in zip(eqn.invars, rec.operand_consumers, strict=True)
             ]
-        return [read(a) for a in eqn.invars]
+        else:
+            wanted = [None] * len(eqn.invars)
+        return [
+            read(a, d, _const(rec, i))
+            for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True))
+        ]
 
     def as_read(self, eqn: Any, rec: EqnRec, outs: Sequence[Any]) -> list[Any]:
         """An equation's float outputs as its half-precision readers see them: a half sum
@@ -284,7 +300,7 @@ class Emitter:
         casts: dict[tuple[int, Any], Any] = {}
         keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
 
-        def read(atom: Any, dtype: Any = None) -> Any:
+        def read(atom: Any, dtype: Any = None, const: bool = False) -> Any:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
                 if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
@@ -299,7 +315,9 @@ class Emitter:
             key = (id(val), dtype)
             if key not in casts:
                 keep.append(val)
-                casts[key] = lax.convert_element_type(val, dtype)
+                # A constant (a mask value, a captured sentinel) is clamped to the half range
+                # rather than overflowing; computed values overflow honestly.
+                casts[key] = lax.convert_element_type(clamp(val, dtype) if const else val, dtype)
                 self.hooks.cast(self.where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
@@ -359,21 +377,28 @@ class Emitter:
 
     # -- leaf equations ---------------------------------------------------------------------
 
-    def _leaf(self, eqn: Any, node: int | None, read: Any) -> list[Any]:
+    def _leaf(self, eqn: Any, rec: EqnRec, read: Any) -> list[Any]:
+        node = rec.node
         half = self.is_half(node)
         name = eqn.primitive.name
         if name == "convert_element_type":
             # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
             # float32 whose consumers are all half casts to half instead.
             params = dict(eqn.params)
+            operand = read(eqn.invars[0])
             if half:
                 params["new_dtype"] = self.half
-            return bind(eqn, [read(eqn.invars[0])], params)
+                if _const(rec, 0):
+                    operand = clamp(operand, self.half)
+            return bind(eqn, [operand], params)
         if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
             return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
-        invals = [read(a, self.target(node, a.aval.dtype)) for a in eqn.invars]
+        invals = [
+            read(a, self.target(node, a.aval.dtype), _const(rec, i))
+            for i, a in enumerate(eqn.invars)
+        ]
         params = dict(eqn.params)
         if half:
             for key in _DTYPE_PARAMS:
@@ -381,6 +406,8 @@ class Emitter:
                     params[key] = self.half
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
                 return [self._scatter(eqn, invals)]
+            if _transpose_accumulates(eqn, rec):
+                return _float32_tangents(eqn, invals, params)
         return bind(eqn, invals, params)
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
@@ -482,6 +509,59 @@ class Emitter:
             fun.defvjp(fwd, bwd)
         with self.staging():
             return list(fun(*invals))
+
+
+#: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
+#: gradient), an expanding broadcast's a sum (a bias gradient). Differentiating the rewritten
+#: program (``jax.grad(rewrite(f))``) would accumulate them in half precision.
+TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim")
+
+
+def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
+    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES or _const(rec, 0):
+        return False
+    if eqn.primitive.name == "broadcast_in_dim":
+        return eqn.outvars[0].aval.size > eqn.invars[0].aval.size
+    return True
+
+
+def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Binds a half-precision equation whose derivative runs in float32: the primal is
+    computed in half, tangents (and so, transposed, the cotangents that accumulate) in
+    float32, cast to half at the end. Forward and reverse mode both work."""
+    fpos = [i for i, v in enumerate(invals) if is_float(jnp.result_type(v))]
+
+    def call(*fvals: Any) -> Any:
+        args = list(invals)
+        for i, v in zip(fpos, fvals, strict=True):
+            args[i] = v
+        return bind(eqn, args, params)[0]
+
+    fun = jax.custom_jvp(call)
+
+    @fun.defjvp
+    def fun_jvp(primals, tangents):
+        out = fun(*primals)
+        up = [cast(v, np.float32) for v in (*primals, *tangents)]
+        _, t_out = jax.jvp(call, up[: len(primals)], up[len(primals) :])
+        return out, cast(t_out, jnp.result_type(out))
+
+    return [fun(*[invals[i] for i in fpos])]
+
+
+def _const(rec: EqnRec, i: int) -> bool:
+    return bool(rec.const_operands) and rec.const_operands[i]
+
+
+def clamp(value: Any, dtype: Any) -> Any:
+    """A constant's finite values clamped to the range of the half ``dtype`` (infinities and
+    NaN kept), in its own dtype."""
+    info = jnp.finfo(dtype)
+    lo, hi = float(info.min), float(info.max)
+    if isinstance(value, jax.core.Tracer) or isinstance(value, jax.Array):
+        return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
+    value = np.asarray(value)
+    return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)
 
 
 def _literal(value: Any, dtype: Any) -> Any:

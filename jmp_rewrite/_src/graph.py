@@ -37,6 +37,28 @@ from jmp_rewrite._src.regions import in_float32_region
 #: Kinds of higher-order equation whose body is inlined as a call.
 _CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)
 
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """What the graph knows of where a value comes from.
+
+    Attributes:
+      const: a constant: a literal, a jaxpr const, or computed from constants only (such a
+        value is clamped to the half range when cast, never turned into infinity).
+      copy_of: the program input this value is an exact copy of (through calls, loop carries
+        passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
+      derived: program inputs this value is computed from elementwise, through infer and
+        clear ops of the same shape (``new = a * old + b * f(x)``: a state update).
+    """
+
+    const: bool = False
+    copy_of: int | None = None
+    derived: frozenset[int] = frozenset()
+
+
+_NOWHERE = Origin()
+_CONST = Origin(const=True)
+
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
 #: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
 SCATTER_REBUILDERS = ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max")
@@ -106,7 +128,7 @@ def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
         out: list[list[int]] = [[]]
         for i in range(n - 1):
             out.append(
-                [c for b in rec.subs["branches"] for c in b.consumers.get(b.jaxpr.invars[i], [])]
+                [c for b in rec.subs["cases"] for c in b.consumers.get(b.jaxpr.invars[i], [])]
             )
         return out
     return [[] for _ in range(n)]
@@ -141,6 +163,7 @@ class Node:
     is_cast: bool = False
     feeds_output: bool = False
     unit: int | None = None
+    origin: Origin = _NOWHERE
     fanin: list[int] = dataclasses.field(default_factory=list)
     fanout: list[int] = dataclasses.field(default_factory=list)
 
@@ -166,6 +189,8 @@ class EqnRec:
     operand_consumers: list[list[int]] = dataclasses.field(default_factory=list)
     xs: list[int | None] = dataclasses.field(default_factory=list)
     ys: list[int | None] = dataclasses.field(default_factory=list)
+    #: per operand: a constant (see :class:`Origin`), clamped when cast to half precision.
+    const_operands: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass
@@ -190,7 +215,14 @@ class Graph:
         self._n_recs = 0
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
-        self.top, outs = self._scope(jaxpr, [None] * n_in, "", False, None)
+        origins = [_CONST] * len(jaxpr.constvars) + [
+            Origin(copy_of=j, derived=frozenset({j})) for j in range(len(jaxpr.invars))
+        ]
+        #: the program's input avals (``Origin.copy_of`` / ``derived`` index them).
+        self.input_avals = [v.aval for v in jaxpr.invars]
+        self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)
+        #: the program's outputs: (source node or None, origin, aval) each.
+        self.outputs = list(zip(outs, out_origins, [v.aval for v in jaxpr.outvars], strict=True))
         for src in outs:
             if src is not None:
                 self.nodes[src].feeds_output = True
@@ -232,13 +264,23 @@ class Graph:
         return node.id
 
     def _scope(
-        self, jaxpr: Any, in_sources: list[int | None], path: str, region: bool, unit: int | None
-    ) -> tuple[ScopeRec, list[int | None]]:
-        """Adds one jaxpr instance; ``in_sources`` covers constvars then invars."""
+        self,
+        jaxpr: Any,
+        in_sources: list[int | None],
+        path: str,
+        region: bool,
+        unit: int | None,
+        in_origins: list[Origin],
+    ) -> tuple[ScopeRec, list[int | None], list[Origin]]:
+        """Adds one jaxpr instance; ``in_sources`` and ``in_origins`` cover constvars then
+        invars. Returns the scope, its outputs' source nodes and their origins."""
         rec = ScopeRec(path=path, jaxpr=jaxpr)
         env: dict[Any, int | None] = {}
-        for var, src in zip([*jaxpr.constvars, *jaxpr.invars], in_sources, strict=True):
+        origins: dict[Any, Origin] = {}
+        invars = [*jaxpr.constvars, *jaxpr.invars]
+        for var, src, o in zip(invars, in_sources, in_origins, strict=True):
             env[var] = src
+            origins[var] = o
             if is_float(var.aval.dtype):
                 rec.consumers[var] = []
 
@@ -247,25 +289,37 @@ class Graph:
                 return None
             return env.get(atom)
 
+        def origin(atom: Any) -> Origin:
+            return _CONST if jc.is_literal(atom) else origins.get(atom, _NOWHERE)
+
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             here = f"{path}{name}"
             in_region = region or in_float32_region(jc.name_stack(eqn))
             process = not in_region and unit is None
             ins = [source(a) for a in eqn.invars]
+            in_origins = [origin(a) for a in eqn.invars]
             key = op_key(eqn, self.lists)
             layout = ho.describe(eqn)
+            out_origins = None
             if key.startswith("jit:") and layout is not None:
-                out, erec = self._unit(eqn, layout, key, ins, here, in_region, unit)
+                out, erec = self._unit(eqn, layout, key, ins, here, in_region, unit, in_origins)
             elif layout is not None and layout.kind in _CALL_KINDS:
                 body = layout.body()
-                sub, out = self._scope(
-                    jc.open_jaxpr(body), self._with_consts(body, ins), f"{here}/", in_region, unit
+                sub, out, out_origins = self._scope(
+                    jc.open_jaxpr(body),
+                    self._with_consts(body, ins),
+                    f"{here}/",
+                    in_region,
+                    unit,
+                    self._const_origins(body) + in_origins,
                 )
                 erec = EqnRec(layout.kind, subs={"body": sub})
             elif layout is not None:
                 build = {ho.COND: self._cond, ho.WHILE: self._while, ho.SCAN: self._scan}
-                out, erec = build[layout.kind](eqn, layout, ins, here, in_region, unit)
+                out, erec, out_origins = build[layout.kind](
+                    eqn, layout, ins, here, in_region, unit, in_origins
+                )
             else:
                 # Other jaxpr-holding equations are opaque and keep their signature, except
                 # scatters, re-emitted at another dtype through jax.lax.
@@ -284,9 +338,16 @@ class Graph:
                 n.is_cast = name == "convert_element_type" and is_f32(eqn.params["new_dtype"])
                 out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
-            for var, src in zip(eqn.outvars, out, strict=True):
+            if out_origins is None:  # a leaf, opaque equation or fused unit
+                o = self._leaf_origin(eqn, key, in_origins)
+                out_origins = [o] * len(eqn.outvars)
+                if erec.node is not None:
+                    self.nodes[erec.node].origin = o
+            erec.const_operands = tuple(o.const for o in in_origins)
+            for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src
+                    origins[var] = o
             erec.layout = layout if erec.kind != "opaque" else None
             erec.index = self._n_recs
             self._n_recs += 1
@@ -297,7 +358,35 @@ class Graph:
             for atom, nodes in zip(eqn.invars, operand_consumers, strict=True):
                 if not jc.is_literal(atom) and atom in rec.consumers:
                     rec.consumers[atom].extend(nodes)
-        return rec, [source(a) for a in jaxpr.outvars]
+        for atom in jaxpr.outvars:
+            if not jc.is_literal(atom) and atom in rec.consumers:
+                # An input handed on as an output wants its own dtype: a call site passing it
+                # cast to half would hand the caller a rounded copy.
+                rec.consumers[atom].append(None)
+        outs = [source(a) for a in jaxpr.outvars]
+        return rec, outs, [origin(a) for a in jaxpr.outvars]
+
+    def _leaf_origin(self, eqn: Any, key: str, ins: list[Origin]) -> Origin:
+        """The origin of a leaf equation's outputs (see :class:`Origin`)."""
+        const = all(o.const for o in ins)
+        floats = [o for a, o in zip(eqn.invars, ins, strict=True) if is_float(a.aval.dtype)]
+        listed = self.lists.kind(key)
+        copies = {o.copy_of for o in floats}
+        copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None
+        derived: frozenset[int] = frozenset()
+        if listed in ("infer", "clear") or eqn.primitive.name == "convert_element_type":
+            shape = getattr(eqn.outvars[0].aval, "shape", None) if eqn.outvars else None
+            same = [
+                o
+                for a, o in zip(eqn.invars, ins, strict=True)
+                if is_float(a.aval.dtype) and getattr(a.aval, "shape", None) == shape
+            ]
+            derived = frozenset().union(*(o.derived for o in same))
+        return Origin(const=const, copy_of=copy_of, derived=derived)
+
+    @staticmethod
+    def _const_origins(body: Any) -> list[Origin]:
+        return [_CONST] * len(jc.open_jaxpr(body).constvars)
 
     @staticmethod
     def _with_consts(body: Any, ins: list[int | None]) -> list[int | None]:
@@ -326,7 +415,7 @@ class Graph:
             if node is not None and src is not None:
                 self.nodes[node].fanin.append(src)
 
-    def _unit(self, eqn, layout, key, ins, path, region, unit):
+    def _unit(self, eqn, layout, key, ins, path, region, unit, in_origins):
         process = not region and unit is None
         node = self._node(
             key, path, float32=eqn_is_float32(eqn), process=process, unit=unit, fanin=ins, eqn=eqn
@@ -336,50 +425,63 @@ class Graph:
             node if s is not None or is_float(v.aval.dtype) else None
             for s, v in zip(ins, eqn.invars, strict=True)
         ]
-        sub, _ = self._scope(
-            jc.open_jaxpr(body), self._with_consts(body, inner), f"{path}/", region, node
+        sub, _, _ = self._scope(
+            jc.open_jaxpr(body),
+            self._with_consts(body, inner),
+            f"{path}/",
+            region,
+            node,
+            self._const_origins(body) + in_origins,
         )
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
         return out, EqnRec("unit", node=node, subs={"body": sub})
 
-    def _cond(self, eqn, layout, ins, path, region, unit):
+    def _cond(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
         outs = self._structural(
             "<cond-output>", f"{path}/output", [v.aval for v in eqn.outvars], process, unit
         )
         subs = []
         args = layout.split(ins)["args"]
-        for i, branch in enumerate(layout.body("branches")):
-            sub, bouts = self._scope(
+        arg_origins = layout.split(in_origins)["args"]
+        for i, branch in enumerate(layout.body("cases")):
+            sub, bouts, _ = self._scope(
                 jc.open_jaxpr(branch),
                 self._with_consts(branch, args),
                 f"{path}/branch{i}/",
                 region,
                 unit,
+                self._const_origins(branch) + arg_origins,
             )
             self._link(outs, bouts)
             subs.append(sub)
-        return outs, EqnRec("cond", subs={"branches": subs}, carries=outs)
+        rec = EqnRec(ho.COND, subs={"cases": subs}, carries=outs)
+        return outs, rec, [_NOWHERE] * len(outs)
 
-    def _while(self, eqn, layout, ins, path, region, unit):
+    def _while(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
-        ops, atoms = layout.split(ins), layout.split(eqn.invars)
+        ops, atoms, orig = layout.split(ins), layout.split(eqn.invars), layout.split(in_origins)
         cconsts = self._consts(atoms["cond_consts"], ops["cond_consts"], path, process, unit)
         bconsts = self._consts(atoms["body_consts"], ops["body_consts"], path, process, unit)
         carries = self._structural(
             "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
         self._link(carries, ops["carry"])
-        csub, _ = self._body(layout, "cond", cconsts + carries, path, region, unit)
-        bsub, bouts = self._body(layout, "body", bconsts + carries, path, region, unit)
+        carry_in = [Origin(copy_of=o.copy_of) for o in orig["carry"]]
+        csub, _, _ = self._body(
+            layout, "cond", cconsts + carries, path, region, unit, orig["cond_consts"] + carry_in
+        )
+        bsub, bouts, bout_origins = self._body(
+            layout, "body", bconsts + carries, path, region, unit, orig["body_consts"] + carry_in
+        )
         self._link(carries, bouts)
         rec = EqnRec(ho.WHILE, subs={"cond": csub, "body": bsub}, carries=carries)
         rec.operands = cconsts + bconsts + carries
-        return carries, rec
+        return carries, rec, self._carry_origins(carries, carry_in, bout_origins)
 
-    def _scan(self, eqn, layout, ins, path, region, unit):
+    def _scan(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
-        ops, atoms = layout.split(ins), layout.split(eqn.invars)
+        ops, atoms, orig = layout.split(ins), layout.split(eqn.invars), layout.split(in_origins)
         nconst, ncarry = layout.size("consts"), layout.size("carry")
         consts = self._consts(atoms["consts"], ops["consts"], path, process, unit)
         carries = self._structural(
@@ -389,7 +491,11 @@ class Graph:
         xnodes = self._structural("<xs>", f"{path}/xs", x_avals, process, unit)
         self._link(carries, ops["carry"])
         self._link(xnodes, ops["xs"])
-        sub, bouts = self._body(layout, "body", consts + carries + xnodes, path, region, unit)
+        carry_in = [Origin(copy_of=o.copy_of) for o in orig["carry"]]
+        body_in = orig["consts"] + carry_in + [_NOWHERE] * len(xnodes)
+        sub, bouts, bout_origins = self._body(
+            layout, "body", consts + carries + xnodes, path, region, unit, body_in
+        )
         ynodes = self._structural(
             "<ys>", f"{path}/ys", [v.aval for v in eqn.outvars[ncarry:]], process, unit
         )
@@ -397,12 +503,28 @@ class Graph:
         self._link(ynodes, bouts[ncarry:])
         rec = EqnRec(ho.SCAN, subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
         rec.operands = consts + carries + xnodes
-        return carries + ynodes, rec
+        carry_out = self._carry_origins(carries, carry_in, bout_origins[:ncarry])
+        return carries + ynodes, rec, carry_out + [_NOWHERE] * len(ynodes)
 
-    def _body(self, layout, role, ins, path, region, unit):
+    def _carry_origins(self, carries, carry_in, bout_origins):
+        """A carry the body hands on unchanged stays a copy of what entered the loop."""
+        out = []
+        for node, o_in, o_out in zip(carries, carry_in, bout_origins, strict=True):
+            o = o_in if o_in.copy_of is not None and o_out.copy_of == o_in.copy_of else _NOWHERE
+            if node is not None:
+                self.nodes[node].origin = o
+            out.append(o)
+        return out
+
+    def _body(self, layout, role, ins, path, region, unit, origins):
         body = layout.body(role)
         return self._scope(
-            jc.open_jaxpr(body), self._with_consts(body, ins), f"{path}/{role}/", region, unit
+            jc.open_jaxpr(body),
+            self._with_consts(body, ins),
+            f"{path}/{role}/",
+            region,
+            unit,
+            self._const_origins(body) + origins,
         )
 
     def _consts(self, atoms, sources, path, process, unit):

@@ -88,7 +88,7 @@ PRIMITIVES: dict[str, HigherOrder] = {
     "custom_vjp_call": _call("call_jaxpr", CUSTOM_VJP),
     "custom_vjp_call_jaxpr": _call("fun_jaxpr", CUSTOM_VJP),
     "shard_map": _call("jaxpr", SHARD_MAP),
-    "cond": HigherOrder(COND, (("branches", "branches"),), _cond_groups),
+    "cond": HigherOrder(COND, (("cases", "branches"),), _cond_groups),
     "while": HigherOrder(WHILE, (("cond", "cond_jaxpr"), ("body", "body_jaxpr")), _while_groups),
     "scan": HigherOrder(
         SCAN,

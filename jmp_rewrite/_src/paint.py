@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from jmp_rewrite._src.graph import Graph, Node
+from jmp_rewrite._src.graph import Graph, Node, is_f32
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
 
@@ -65,6 +65,95 @@ def _fanin(n: Node) -> list[int]:
 
 def _fanout(n: Node) -> list[int]:
     return n.fanout
+
+
+def _keep_float32(g: Graph, p: Painting, ids: Iterable[int], why: str) -> None:
+    """Takes nodes out of painting: they run in their original dtype, like a float32 region
+    (never converted, blocking allow, not spreading deny)."""
+    for i in ids:
+        n = g.nodes[i]
+        if n.process:
+            n.process, n.kind = False, UNLISTED
+            p.painted_by[i] = why
+
+
+def _walk_up(g: Graph, roots: Iterable[int], enter: Callable[[Node], bool]) -> list[int]:
+    """Nodes reached from ``roots`` (included) going to inputs, through nodes ``enter`` takes."""
+    return _dfs(roots, _fanin, g.nodes, lambda v, r: v.id == r or enter(v))
+
+
+def keep_output_copies_float32(g: Graph, p: Painting) -> None:
+    """An output that is a copy of an input comes back bit-exact.
+
+    TF never paints a fetch node (``nodes_to_preserve`` fail ``ShouldProcess``). Here outputs
+    may come from half-precision producers (the logits' matmul), but an output that is an
+    input handed on -- unchanged through calls and loop carries, or reshaped, transposed,
+    sliced (clear ops of it alone) -- keeps float32 along that chain: module state returned
+    by ``nnx.remat``/``nnx.jit`` helpers must not come back rounded.
+    """
+    roots = [s for s, o, _ in g.outputs if s is not None and o.copy_of is not None]
+    ids = _walk_up(g, roots, lambda v: v.origin.copy_of is not None)
+    _keep_float32(g, p, ids, "keep_output_copies_float32")
+
+
+def keep_state_updates_float32(g: Graph, p: Painting) -> None:
+    """State carried from step to step is updated in float32.
+
+    An output computed elementwise from the input of its shape (``new = m * old + (1 - m) *
+    stat``: a running average, an EMA, a plain SGD step) would be re-rounded to half every
+    step and drift; TF's stateful ops (``AssignMovingAvg``, fused batch norm's running
+    statistics) are on no list and keep float32. The chain from that input to the output
+    keeps float32; what flows into it (``stat``) may still be computed in half.
+    """
+    roots_by_input: dict[int, list[int]] = {}
+    for src, _, aval in g.outputs:
+        if src is None or not is_f32(aval.dtype):
+            continue
+        for j in g.nodes[src].origin.derived:
+            inp = g.input_avals[j]
+            if inp.shape == aval.shape and is_f32(inp.dtype):
+                roots_by_input.setdefault(j, []).append(src)
+    for j, roots in roots_by_input.items():
+        ids = _walk_up(g, roots, lambda v, j=j: v.eqn is not None and j in v.origin.derived)
+        _keep_float32(g, p, ids, "keep_state_updates_float32")
+
+
+#: Keys a normalization statistic is computed through above its reductions: the squares of
+#: ``E[x**2]`` or ``E[(x - mean)**2]`` and the mean they centre on are taken in float32 too,
+#: as Flax casts for them.
+_STATISTIC_INPUTS = frozenset(
+    {"square", "integer_pow", "mul", "sub", "div", "convert_element_type", "broadcast_in_dim"}
+    | {"reshape", "squeeze", "expand_dims"}
+)
+_REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "cumsum"})
+
+
+def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
+    """Normalization statistics -- mean, variance and their ``rsqrt`` -- stay float32.
+
+    TF's ``FusedBatchNorm*`` computes them in float32 whatever ``T`` is (its ``U``
+    attribute), and Flax casts to float32 for them; in a float32 program that cast is a
+    no-op that never reaches the jaxpr, so without this pass the bfloat16 lists (Sum, Rsqrt
+    infer) compute ``E[x**2] - E[x]**2`` in half. From every ``rsqrt``, the chain back to
+    the reductions (and, past them, the squares and centring they sum) keeps float32; allow
+    ops (the matmul or conv producing ``x``) and any other op past a reduction stop it.
+    """
+    stack = [(n.id, False) for n in g.nodes if n.key == "rsqrt" and n.process and n.eqn]
+    seen: set[tuple[int, bool]] = set()
+    keep: list[int] = []
+    while stack:
+        v, past = stack.pop()
+        if (v, past) in seen:
+            continue
+        seen.add((v, past))
+        n = g.nodes[v]
+        if n.eqn is None or not n.process or n.listed_kind == ALLOW:
+            continue
+        if past and n.key not in _STATISTIC_INPUTS and n.key not in _REDUCTIONS:
+            continue
+        keep.append(v)
+        stack.extend((f, past or n.key in _REDUCTIONS) for f in n.fanin)
+    _keep_float32(g, p, keep, "keep_normalization_statistics_float32")
 
 
 def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:
@@ -212,6 +301,9 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
       The :class:`Painting`.
     """
     p = Painting(allow=set(), deny=set(), painted_by={}, changed=True)
+    keep_output_copies_float32(g, p)
+    keep_state_updates_float32(g, p)
+    keep_normalization_statistics_float32(g, p)
     add_allowlist_ops(g, p, force_all)
     if not p.allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False
