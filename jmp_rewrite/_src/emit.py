@@ -528,25 +528,26 @@ def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
 def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
     """Binds a half-precision equation whose derivative runs in float32: the primal is
     computed in half, tangents (and so, transposed, the cotangents that accumulate) in
-    float32, cast to half at the end. Forward and reverse mode both work."""
-    fpos = [i for i, v in enumerate(invals) if is_float(jnp.result_type(v))]
+    float32, cast to half at the end. Forward and reverse mode both work. Every operand is
+    an argument (indices too: a closure over tracers would leak them into the jaxpr)."""
 
-    def call(*fvals: Any) -> Any:
-        args = list(invals)
-        for i, v in zip(fpos, fvals, strict=True):
-            args[i] = v
-        return bind(eqn, args, params)[0]
+    def call(*args: Any) -> Any:
+        return bind(eqn, list(args), params)[0]
 
     fun = jax.custom_jvp(call)
 
     @fun.defjvp
     def fun_jvp(primals, tangents):
         out = fun(*primals)
-        up = [cast(v, np.float32) for v in (*primals, *tangents)]
-        _, t_out = jax.jvp(call, up[: len(primals)], up[len(primals) :])
+        up = [cast(v, np.float32) for v in primals]
+        t_up = [
+            cast(t, np.float32) if is_float(jnp.result_type(p)) else t
+            for p, t in zip(primals, tangents, strict=True)
+        ]
+        _, t_out = jax.jvp(call, up, t_up)
         return out, cast(t_out, jnp.result_type(out))
 
-    return [fun(*[invals[i] for i in fpos])]
+    return [fun(*invals)]
 
 
 def _const(rec: EqnRec, i: int) -> bool:

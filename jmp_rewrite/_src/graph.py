@@ -84,13 +84,16 @@ def op_key(eqn: Any, lists: Any) -> str:
     """The list key of an equation: its primitive name, or a virtual key.
 
     ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
-    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op.
+    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose
+    (``transpose(jvp(log_softmax))``) is not: TF's gradients of fused ops are separate ops
+    (LogSoftmax's is Exp, Sum, Mul, Sub, with Exp deny), so the backward pass is painted
+    primitive by primitive.
     """
     name = eqn.primitive.name
     if name == "integer_pow":
         y = eqn.params["y"]
         return "reciprocal" if y == -1 else "square" if y == 2 else "integer_pow"
-    if ho.jit_name(eqn):
+    if ho.jit_name(eqn) and "transpose(" not in ho.jit_name(eqn):
         unit = "jit:" + unit_name(ho.jit_name(eqn))
         if lists.kind(unit) != "unlisted":
             return unit
