@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import importlib
 
+import chex
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -468,6 +469,32 @@ def test_rewritten_train_step_keeps_the_whole_update_float32():
     assert state.inner_state[0].mu["w"].dtype == jnp.float32
     assert bool(state.last_step_applied) and int(state.inner_state[0].count) == 1
     assert new_params["w"].dtype == jnp.float32
+
+
+def test_rewritten_train_step_traces_once_through_skips_and_scale_changes():
+    """The state keeps its structure and dtypes whatever happens: one trace, one compile."""
+    tx = jr.loss_scale_optimizer(
+        optax.adam(1e-2), jr.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
+    )
+
+    @chex.assert_max_traces(n=1)
+    def step(params, state, x):
+        loss_fn = lambda p: jnp.sum((x @ p["w"]) ** 2)
+        _, grads = jr.value_and_grad(loss_fn)(state, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    chex.clear_trace_counter()
+    train_step = jax.jit(jr.rewrite(step, dtype=jnp.float16))
+    params = {"w": jnp.full((4, 4), 0.1, jnp.float32)}  # not weakly typed, as step returns it
+    state = tx.init(params)
+    scales, applied = [], []
+    for scale_x in (0.01, 0.01, 0.01, 100.0, 0.01):  # 100: float16 gradients overflow
+        params, state = train_step(params, state, jnp.full((2, 4), scale_x))
+        scales.append(float(jr.get_loss_scale(state)))
+        applied.append(bool(jr.last_step_applied(state)))
+    assert applied == [True, True, True, False, True]
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**10]
 
 
 @pytest.mark.parametrize("method", ["elementwise", "dot"])
