@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import uuid
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 
 import jmp_rewrite
-from jmp_rewrite._src import cli, demo
+from jmp_rewrite import demo
+from jmp_rewrite._src import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,11 +42,14 @@ NOT_A_FUNCTION = 3
 """
 
 
-def _run(*args: str, cwd: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def _run(
+    *args: str, cwd: str | None = None, timeout: float = 240, code: str | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m jmp_rewrite ARGS`` (or ``python -c CODE``) in a fresh interpreter."""
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "jmp_rewrite", *args],
+        [sys.executable, *(["-c", code] if code else ["-m", "jmp_rewrite"]), *args],
         cwd=cwd or REPO,
         env=env,
         capture_output=True,
@@ -139,6 +145,55 @@ def test_demo_config_loss_scale_choices():
     assert demo.DemoConfig(loss_scale="1024").loss_scale_rule() == 1024.0
     rule = demo.DemoConfig(initial_scale=8, increment_period=3).loss_scale_rule()
     assert (rule.initial_loss_scale, rule.increment_period) == (8, 3)
+
+
+WITHOUT_FLAX = """
+import sys
+sys.modules["flax"] = None  # as if flax were not installed: importing it raises ImportError
+import jmp_rewrite
+import jmp_rewrite.demo as demo
+from jmp_rewrite._src import cli
+assert demo.DemoConfig().model == "cnn" and len(demo.make_dataset(4)[0]) == 4
+try:
+    demo.run_demo
+except ImportError as e:
+    print("run_demo:", e)
+raise SystemExit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_demo_without_flax_says_what_to_install():
+    """flax is an extra: jmp_rewrite, the CLI and the demo's options import without it."""
+    proc = _run("demo", "--steps", "1", code=WITHOUT_FLAX, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    hint = "pip install 'jmp_rewrite[demo]'"
+    assert proc.stderr.strip() == (
+        "python -m jmp_rewrite demo: error: the jmp_rewrite demo needs flax, which is not "
+        f"installed; install the demo's dependencies with: {hint}"
+    )
+    assert proc.stdout.startswith("run_demo: the jmp_rewrite demo needs flax") and hint in (
+        proc.stdout
+    )
+
+
+def test_demo_uses_only_public_names():
+    """The demo is an application of the library: no jmp_rewrite._src, only exported names."""
+    public = set(jmp_rewrite.__all__) | {"__version__"}
+    used = set()
+    for path in sorted(pathlib.Path(REPO, "jmp_rewrite", "demo").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jmp_rewrite"):
+                assert node.module == "jmp_rewrite" or node.module.startswith("jmp_rewrite.demo"), (
+                    f"{path.name} imports {node.module}"
+                )
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert not alias.name.startswith("jmp_rewrite._src"), path.name
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "jmp_rewrite":
+                assert node.attr in public, f"{path.name} uses jmp_rewrite.{node.attr}"
+                used.add(node.attr)
+    assert {"rewrite", "explain", "loss_scale_optimizer", "value_and_grad"} <= used
 
 
 # --------------------------------------------------------------------------------------------

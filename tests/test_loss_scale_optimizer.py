@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
+
+import chex
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -12,7 +16,7 @@ from flax import nnx
 
 import jmp_rewrite as jr
 from jmp_rewrite._src import _jax_compat as compat
-from jmp_rewrite._src.loss_scale_optimizer import _count_non_finite
+from jmp_rewrite._src.finite import count_non_finite
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE
 
 INT32_MAX = 2**31 - 1
@@ -34,9 +38,8 @@ def assert_trees_equal(actual, desired):
 def assert_trees_close(actual, desired, rtol=1e-6, atol=0.0):
     assert jax.tree.structure(actual) == jax.tree.structure(desired)
     for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired), strict=True):
-        np.testing.assert_allclose(
-            np.asarray(a, np.float64), np.asarray(d, np.float64), rtol=rtol, atol=atol
-        )
+        wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(d) else np.float64
+        np.testing.assert_allclose(np.asarray(a, wide), np.asarray(d, wide), rtol=rtol, atol=atol)
 
 
 BAD = {"nan": jnp.nan, "+inf": jnp.inf, "-inf": -jnp.inf}
@@ -468,6 +471,32 @@ def test_rewritten_train_step_keeps_the_whole_update_float32():
     assert new_params["w"].dtype == jnp.float32
 
 
+def test_rewritten_train_step_traces_once_through_skips_and_scale_changes():
+    """The state keeps its structure and dtypes whatever happens: one trace, one compile."""
+    tx = jr.loss_scale_optimizer(
+        optax.adam(1e-2), jr.DynamicLossScale(initial_loss_scale=2.0**10, increment_period=2)
+    )
+
+    @chex.assert_max_traces(n=1)
+    def step(params, state, x):
+        loss_fn = lambda p: jnp.sum((x @ p["w"]) ** 2)
+        _, grads = jr.value_and_grad(loss_fn)(state, params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    chex.clear_trace_counter()
+    train_step = jax.jit(jr.rewrite(step, dtype=jnp.float16))
+    params = {"w": jnp.full((4, 4), 0.1, jnp.float32)}  # not weakly typed, as step returns it
+    state = tx.init(params)
+    scales, applied = [], []
+    for scale_x in (0.01, 0.01, 0.01, 100.0, 0.01):  # 100: float16 gradients overflow
+        params, state = train_step(params, state, jnp.full((2, 4), scale_x))
+        scales.append(float(jr.get_loss_scale(state)))
+        applied.append(bool(jr.last_step_applied(state)))
+    assert applied == [True, True, True, False, True]
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**10, 2.0**10]
+
+
 @pytest.mark.parametrize("method", ["elementwise", "dot"])
 def test_finiteness_check_methods_are_exact(method):
     leaves = [
@@ -480,7 +509,7 @@ def test_finiteness_check_methods_are_exact(method):
     inv = jnp.float32(1.0 / 1024)
 
     count_fn = jax.jit(
-        lambda leaves: _count_non_finite(leaves, inv, scale_at_least_one=True, method=method)
+        lambda leaves: count_non_finite(leaves, inv, scale_at_least_one=True, method=method)
     )
 
     def count(leaves):
@@ -501,7 +530,7 @@ def test_finiteness_check_methods_are_exact(method):
     two[3] = two[3].at[0, 0, 0].set(jnp.inf)
     assert count(two) == 2
     with pytest.raises(ValueError, match="method must be"):
-        _count_non_finite(leaves, inv, scale_at_least_one=True, method="fast")
+        count_non_finite(leaves, inv, scale_at_least_one=True, method="fast")
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,6 +609,55 @@ def test_inside_multisteps_one_inf_micro_batch_poisons_optax_accumulator():
     for event in ("+inf", "ok", "ok", "ok"):
         _, state = update(scripted_grads(1, 4.0, event), state, PARAMS)
     assert not bool(jr.all_finite(state.acc_grads))
+
+
+@pytest.mark.parametrize("use_select", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_lookahead_updates_shaped_like_lookahead_params(jit, use_select):
+    """optax.lookahead takes gradients of the fast parameters and returns LookaheadParams
+    updates (fast and slow); they come back in the parameters' dtype, zero when skipped."""
+    inner = optax.lookahead(optax.sgd(1.0), sync_period=2, slow_step_size=0.5)
+    tx = jr.loss_scale_optimizer(
+        inner, jr.DynamicLossScale(initial_loss_scale=4.0), use_select=use_select
+    )
+    update = maybe_jit(jit)(tx.update)
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    params = optax.LookaheadParams.init_synced(bf16)
+    state = tx.init(params)
+    ref_params = optax.LookaheadParams.init_synced(PARAMS)
+    ref_state = inner.init(ref_params)
+    for step, event in enumerate(("ok", "nan", "ok", "ok"), start=1):
+        grads = scripted_grads(step, float(jr.get_loss_scale(state)), event)
+        grads = jax.tree.map(lambda g: g.astype(jnp.bfloat16), grads)
+        updates, new_state = update(grads, state, params)
+        assert isinstance(updates, optax.LookaheadParams)
+        assert {u.dtype for u in jax.tree.leaves(updates)} == {jnp.dtype(jnp.bfloat16)}
+        if event == "ok":
+            true = jax.tree.map(lambda g: g.astype(jnp.bfloat16), scripted_grads(step, 1, "ok"))
+            ref_updates, ref_state = inner.update(true, ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, ref_updates)
+        else:
+            assert not any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+            assert_trees_equal(new_state.inner_state, state.inner_state)
+        params, state = optax.apply_updates(params, updates), new_state
+        # The reference runs in float32; the wrapped parameters are bfloat16.
+        assert_trees_close(params, ref_params, rtol=1e-2)
+    assert int(state.inner_state.steps_since_sync) == 1  # 3 applied steps, sync period 2
+    assert not np.array_equal(np.asarray(params.slow["w"]), np.asarray(bf16["w"]))
+
+
+def test_complex_parameters_keep_their_imaginary_part():
+    params = {"z": jnp.array([1 + 2j, 3 - 1j], jnp.complex64), "w": jnp.ones(2)}
+    true = {"z": jnp.array([0.5 + 0.25j, -1 + 1j], jnp.complex64), "w": jnp.array([0.5, 1.0])}
+    inner = optax.adam(0.1)
+    tx = jr.loss_scale_optimizer(inner, 8)
+    updates, state = jax.jit(tx.update)(jax.tree.map(lambda g: g * 8, true), tx.init(params))
+    ref, ref_state = inner.update(true, inner.init(params))
+    assert updates["z"].dtype == jnp.complex64 and state.inner_state[0].mu["z"].dtype == (
+        jnp.complex64
+    )
+    assert_trees_close(updates, ref)
+    assert_trees_close(state.inner_state, ref_state)
 
 
 def test_inject_hyperparams_inside_changes_the_learning_rate_and_freezes_on_skip():
@@ -731,3 +809,11 @@ def test_no_tracer_leaks(leak_checking):
         return optax.apply_updates(params, updates), state, loss, jr.last_step_applied(state)
 
     jax.jit(train_step).lower(PARAMS, variants[0].init(PARAMS))
+
+
+@pytest.mark.parametrize("name", ["finite", "loss_scale_state"])
+def test_docstring_examples_of_the_helper_modules_run(name):
+    """test_public_api runs loss_scale_optimizer's; these are the pieces it imports."""
+    module = importlib.import_module(f"jmp_rewrite._src.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

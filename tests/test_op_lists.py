@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jmp_rewrite
 from jmp_rewrite._src import op_lists
 from jmp_rewrite._src.op_lists import (
     FLOAT32_ONLY,
@@ -517,6 +518,92 @@ def test_env_reads_os_environ_by_default(monkeypatch):
 def test_env_level_unknown_names_the_variable():
     with pytest.raises(ValueError, match="JMP_REWRITE_LEVEL: unknown level 'FASTEST'"):
         lists_from_environment("float16", {"JMP_REWRITE_LEVEL": "FASTEST"})
+
+
+@pytest.fixture
+def fresh_env_warnings(monkeypatch):
+    """Forget which misspelled variables were warned about (once per name and process)."""
+    monkeypatch.setattr(op_lists, "_WARNED_ENV_NAMES", set())
+
+
+TYPOS = [
+    ("JMP_REWRITE_ALOWLIST_ADD", "JMP_REWRITE_ALLOWLIST_ADD"),
+    ("JMP_REWRITE_ALLOWLIST_ADDD", "JMP_REWRITE_ALLOWLIST_ADD"),
+    ("JMP_REWRITE_DENYLIST_REMOV", "JMP_REWRITE_DENYLIST_REMOVE"),
+    ("JMP_REWRITE_INFER_ADD", "JMP_REWRITE_INFERLIST_ADD"),
+    ("JMP_REWRITE_LEVL", "JMP_REWRITE_LEVEL"),
+    ("JMP_REWRITE_BLACKLIST_ADD", "JMP_REWRITE_DENYLIST_ADD"),  # TF's name before 2.4
+    ("JMP_REWRITE_Clearlist_Remove", "JMP_REWRITE_CLEARLIST_REMOVE"),
+]
+
+
+@pytest.mark.usefixtures("fresh_env_warnings")
+@pytest.mark.parametrize(("typo", "meant"), TYPOS, ids=[t for t, _ in TYPOS])
+def test_env_misspelled_variable_is_ignored_with_a_warning_naming_the_closest(typo, meant):
+    with pytest.warns(UserWarning) as record:
+        lists, level = lists_from_environment("float16", {typo: "sin"})
+    assert [str(w.message) for w in record] == [
+        f"environment variable {typo} is not read by jmp_rewrite and is ignored; "
+        f"did you mean {meant}?"
+    ]
+    assert record[0].filename == __file__  # points at the caller
+    assert (lists, level) == (FP16, "DEFAULT")
+
+
+@pytest.mark.usefixtures("fresh_env_warnings")
+def test_env_misspelling_warns_once_per_name():
+    env = {"JMP_REWRITE_ALOWLIST_ADD": "sin", "JMP_REWRITE_INFERLIST_ADD": "rsqrt"}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for dtype in ("float16", "bfloat16", "float16"):
+            lists, _ = lists_from_environment(dtype, env)
+            assert lists.kind("rsqrt") == "infer" and lists.kind("sin") != "allow"
+        lists_from_environment("float16", {**env, "JMP_REWRITE_ALOWLIST_ADD": "cos"})
+        lists_from_environment("float16", {"JMP_REWRITE_DENYLIST_ADDD": "sin"})
+    assert [str(w.message).split()[2] for w in record] == [
+        "JMP_REWRITE_ALOWLIST_ADD",
+        "JMP_REWRITE_DENYLIST_ADDD",
+    ]
+
+
+@pytest.mark.usefixtures("fresh_env_warnings")
+def test_env_valid_and_unrelated_names_do_not_warn():
+    env = dict.fromkeys(op_lists.env_var_names(), "")
+    env |= {"JMP_REWRITER": "x", "XLA_FLAGS": "", "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE": "1"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lists_from_environment("float16", env) == (FP16, "DEFAULT")
+
+
+@pytest.mark.usefixtures("fresh_env_warnings")
+def test_env_unrecognisable_name_lists_the_variables():
+    with pytest.warns(UserWarning, match="JMP_REWRITE_CACHE_DIR") as record:
+        lists_from_environment("float16", {"JMP_REWRITE_CACHE_DIR": "/tmp"})
+    assert str(record[0].message).endswith(
+        "ignored; the variables are " + ", ".join(["JMP_REWRITE_LEVEL", *ENV_VARS])
+    )
+
+
+@pytest.mark.usefixtures("fresh_env_warnings")
+def test_rewrite_warns_about_a_misspelled_variable_in_the_environment(monkeypatch):
+    """The typo sits in the shell; the rewritten function runs on the default lists."""
+    monkeypatch.setenv("JMP_REWRITE_DENYLIST_ADDD", "dot_general")
+
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    x = jnp.ones((4, 4), jnp.float32)
+    fn = jmp_rewrite.rewrite(layer, dtype=jnp.float16)
+    typo = r"JMP_REWRITE_DENYLIST_ADDD .*did you mean JMP_REWRITE_DENYLIST_ADD\?"
+    with pytest.warns(UserWarning, match=typo):
+        out = fn(x, x)
+    assert out.dtype == jnp.float32
+    painted = jmp_rewrite.paint(layer, x, x, dtype=jnp.float16)
+    (dot,) = painted.find("dot_general")
+    assert dot.list == "allow" and dot.colour == "allow"  # not moved to deny by the typo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn(x, x)  # once per name
 
 
 def test_env_tensor_cores_only_empties_lists_before_add():

@@ -1,7 +1,7 @@
 """The command line: ``python -m jmp_rewrite {demo,explain}``.
 
 * ``demo``: trains a small model in float32 and in mixed precision and compares them (see
-  :mod:`jmp_rewrite._src.demo`); ``make demo`` runs it.
+  :mod:`jmp_rewrite.demo`); ``make demo`` runs it.
 * ``explain MODULE:FUNCTION --shapes "f32[8,16],f32[16]"``: prints
   :func:`jmp_rewrite.explain`'s report for a function of the user's, traced at those shapes.
 
@@ -232,7 +232,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from jmp_rewrite._src import demo
+    from jmp_rewrite import demo
 
     config = demo.DemoConfig(
         model=args.model,
@@ -255,6 +255,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         config.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        demo.check_dependencies()
+    except ImportError as e:
+        print(f"python -m jmp_rewrite demo: error: {e}", file=sys.stderr)
+        return 1
     demo.run_demo(config)
     return 0
 
@@ -271,7 +276,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m jmp_rewrite``."""
-    from jmp_rewrite._src import demo
+    from jmp_rewrite import demo  # its options only: importing them needs no flax
 
     parser = argparse.ArgumentParser(
         prog="python -m jmp_rewrite",
@@ -440,8 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       argv: the arguments (default: ``sys.argv[1:]``).
 
     Returns:
-      0 on success, 1 if the explained function fails to trace, 2 for bad arguments
-      (argparse exits with 2 itself for unknown options).
+      0 on success, 1 if the explained function fails to trace or the demo's dependencies
+      are not installed, 2 for bad arguments (argparse exits with 2 itself for unknown
+      options).
     """
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1010,6 +1010,62 @@ def env_var_name(kind: str, action: str) -> str:
     return _ENV_LIST.format(list=kind.upper(), action=action.upper())
 
 
+def env_var_names() -> tuple[str, ...]:
+    """Every ``JMP_REWRITE_*`` environment variable jmp_rewrite reads.
+
+    Returns:
+      ``JMP_REWRITE_LEVEL`` and the eight ``JMP_REWRITE_{list}LIST_{ADD,REMOVE}`` names.
+
+    Example:
+      >>> len(env_var_names()), env_var_names()[0]
+      (9, 'JMP_REWRITE_LEVEL')
+    """
+    lists = (env_var_name(kind, action) for kind in KINDS for action in ("ADD", "REMOVE"))
+    return (ENV_LEVEL, *lists)
+
+
+_ENV_PREFIX = "JMP_REWRITE_"
+# TF's list names before 2.4 (``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_WHITELIST_ADD``...).
+_TF_FORMER_LIST_NAMES = {"WHITELIST": "ALLOWLIST", "GRAYLIST": "INFERLIST", "BLACKLIST": "DENYLIST"}
+# Misspelled names already warned about: once per name and process, since the environment is
+# read on every call of a rewritten function.
+_WARNED_ENV_NAMES: set[str] = set()
+
+
+def warn_unknown_env_vars(env: Mapping[str, str], stacklevel: int = 2) -> None:
+    """Warns, once per name, about ``JMP_REWRITE_*`` variables that jmp_rewrite does not read.
+
+    A misspelled variable (``JMP_REWRITE_ALOWLIST_ADD``) would otherwise be ignored silently.
+    The warning names the closest valid variable. The prefix is matched case-insensitively.
+
+    Args:
+      env: the environment to check (e.g. ``os.environ``).
+      stacklevel: passed to :func:`warnings.warn`, counted from the caller of this function.
+    """
+    valid = env_var_names()
+    suffixes = [v[len(_ENV_PREFIX) :] for v in valid]
+    for name in sorted(env):
+        if not name.upper().startswith(_ENV_PREFIX) or name in valid:
+            continue
+        if name in _WARNED_ENV_NAMES:
+            continue
+        _WARNED_ENV_NAMES.add(name)
+        # Compared without the common prefix, which would make every name look close.
+        suffix = name.upper()[len(_ENV_PREFIX) :]
+        for old, new in _TF_FORMER_LIST_NAMES.items():
+            suffix = suffix.replace(old, new)
+        close = difflib.get_close_matches(suffix, suffixes, n=1, cutoff=0.6)
+        hint = (
+            f"did you mean {_ENV_PREFIX}{close[0]}?"
+            if close
+            else f"the variables are {', '.join(valid)}"
+        )
+        warnings.warn(
+            f"environment variable {name} is not read by jmp_rewrite and is ignored; {hint}",
+            stacklevel=stacklevel + 1,
+        )
+
+
 def _parse_env_keys(env: Mapping[str, str], var: str) -> frozenset[str]:
     keys = frozenset(item.strip() for item in env.get(var, "").split(",") if item.strip())
     for key in sorted(keys):
@@ -1034,6 +1090,9 @@ def lists_from_environment(dtype: Any, env: Mapping[str, str] | None = None) -> 
        after its list getters ran;
     5. the four lists must be disjoint.
 
+    Other ``JMP_REWRITE_*`` variables (misspellings) are ignored with a warning, once per name,
+    that names the closest valid variable.
+
     Args:
       dtype: the target half-precision dtype (as for :func:`default_lists`).
       env: the variables to read; ``os.environ`` when ``None``.
@@ -1054,6 +1113,7 @@ def lists_from_environment(dtype: Any, env: Mapping[str, str] | None = None) -> 
       ('infer', 'DEFAULT')
     """
     env = os.environ if env is None else env
+    warn_unknown_env_vars(env, stacklevel=2)
     name = _canonical_dtype(dtype)
     try:
         level = canonical_level(env.get(ENV_LEVEL, ""))

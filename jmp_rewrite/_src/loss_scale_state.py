@@ -1,0 +1,308 @@
+"""The loss-scale optimizer's state, and helpers that find it in any optimizer state.
+
+:func:`get_loss_scale_state` finds the one :class:`LossScaleOptimizerState` inside optax
+containers, ``flax.nnx.Optimizer`` objects and other pytrees; :func:`scale_loss`,
+:func:`value_and_grad`, :func:`get_loss_scale`, :func:`last_step_applied` and
+:func:`non_finite_leaves` use it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src.finite import LossScaleDebugState
+
+ArrayTree = Any
+
+
+class LossScaleOptimizerState(NamedTuple):
+    """State of :func:`loss_scale_optimizer`.
+
+    Attributes:
+      inner_state: state of the wrapped transformation; unchanged by skipped steps.
+      loss_scale: float32 scalar; the scale to multiply the *next* loss by.
+      good_steps: int32 scalar; consecutive finite steps since the last change of scale
+        (TF's ``good_steps``; always 0 for a fixed scale).
+      applied_steps: int32 scalar; steps whose update was applied (saturates at 2**31 - 1).
+      skipped_steps: int32 scalar; steps skipped for non-finite gradients (saturates).
+      last_step_applied: bool scalar; whether the last update was applied (``True`` at init).
+      debug: a :class:`LossScaleDebugState` when built with ``debug=True``, else ``()``.
+    """
+
+    inner_state: Any
+    loss_scale: jax.Array
+    good_steps: jax.Array
+    applied_steps: jax.Array
+    skipped_steps: jax.Array
+    last_step_applied: jax.Array
+    debug: LossScaleDebugState | tuple[()] = ()
+
+
+_STATE_FIELDS = frozenset(LossScaleOptimizerState._fields)
+# Fields that always hold a leaf; ``nnx.state`` drops the others when they are empty.
+_SCALAR_FIELDS = _STATE_FIELDS - {"inner_state", "debug"}
+
+
+def _is_state_node(x: Any) -> bool:
+    if isinstance(x, LossScaleOptimizerState):
+        return True
+    # nnx.state(...) turns NamedTuples into mappings keyed by field name (and drops fields
+    # without leaves, such as an empty inner state or debug field).
+    return isinstance(x, Mapping) and _SCALAR_FIELDS <= set(x.keys()) <= _STATE_FIELDS
+
+
+def _leaf_value(x: Any) -> Any:
+    """The array held by ``x`` (unwraps ``flax.nnx.Variable``-like boxes)."""
+    if isinstance(x, jax.Array | np.ndarray | np.generic | numbers.Number):
+        return x
+    get_value = getattr(x, "get_value", None)
+    if callable(get_value):
+        return get_value()
+    if hasattr(x, "value"):
+        return x.value
+    return x
+
+
+def get_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState:
+    """The one :class:`LossScaleOptimizerState` inside a (possibly nested) optimizer state.
+
+    Searches optax containers (``chain`` tuples, ``named_chain`` dicts,
+    ``inject_hyperparams``, ``MultiSteps`` states), ``flax.nnx.Optimizer`` objects (and the
+    ``nnx.State`` of one) and any other pytree (e.g. a Flax ``TrainState``). Values boxed in
+    ``nnx.Variable`` objects are unwrapped.
+
+    Args:
+      opt_state: an optimizer state, or an object holding one.
+
+    Returns:
+      The :class:`LossScaleOptimizerState` (its scalar fields unwrapped to arrays).
+
+    Raises:
+      ValueError: if ``opt_state`` contains no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> tx = optax.chain(jmp_rewrite.loss_scale_optimizer(optax.sgd(0.1)))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> int(jmp_rewrite.get_loss_scale_state(state).skipped_steps)
+      0
+    """
+    found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state_node)
+    matches = [(path, node) for path, node in found if _is_state_node(node)]
+    if not matches:
+        raise ValueError(
+            "no LossScaleOptimizerState found in the given "
+            f"{type(opt_state).__name__}; pass the state returned by the init/update of a "
+            "transformation built with jmp_rewrite.loss_scale_optimizer (or an object such "
+            "as flax.nnx.Optimizer that holds it)"
+        )
+    if len(matches) > 1:
+        paths = ", ".join(jax.tree_util.keystr(path) or "<root>" for path, _ in matches)
+        raise ValueError(
+            f"found {len(matches)} LossScaleOptimizerStates (at {paths}); there must be "
+            "exactly one. Use a single loss_scale_optimizer, outermost, or pass the sub-state "
+            "you mean."
+        )
+    node = matches[0][1]
+    if not isinstance(node, LossScaleOptimizerState):
+        node = LossScaleOptimizerState(**{f: node.get(f, ()) for f in _STATE_FIELDS})
+    return node._replace(
+        loss_scale=_leaf_value(node.loss_scale),
+        good_steps=_leaf_value(node.good_steps),
+        applied_steps=_leaf_value(node.applied_steps),
+        skipped_steps=_leaf_value(node.skipped_steps),
+        last_step_applied=_leaf_value(node.last_step_applied),
+    )
+
+
+def get_loss_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32 scalar) of the loss-scale optimizer in ``opt_state``.
+
+    Args:
+      opt_state: an optimizer state containing exactly one :class:`LossScaleOptimizerState`
+        (see :func:`get_loss_scale_state` for where it is searched).
+
+    Returns:
+      A float32 scalar array: the scale to multiply the next loss by.
+
+    Raises:
+      ValueError: if ``opt_state`` contains no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> tx = jmp_rewrite.loss_scale_optimizer(optax.adam(1e-3), loss_scale=128)
+      >>> float(jmp_rewrite.get_loss_scale(tx.init({"w": jnp.ones(2)})))
+      128.0
+    """
+    return jnp.asarray(get_loss_scale_state(opt_state).loss_scale, jnp.float32)
+
+
+def last_step_applied(opt_state: Any) -> jax.Array:
+    """Whether the last ``update`` was applied (``False``: skipped for non-finite gradients).
+
+    Use it to gate anything that must not advance on a skipped step: an EMA of the
+    parameters, a learning-rate schedule kept outside the optimizer, logging of the step.
+
+    Args:
+      opt_state: an optimizer state containing exactly one :class:`LossScaleOptimizerState`.
+
+    Returns:
+      A bool scalar array (``True`` right after ``init``).
+
+    Raises:
+      ValueError: if ``opt_state`` contains no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> tx = jmp_rewrite.loss_scale_optimizer(optax.sgd(0.1))
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> _, state = tx.update({"w": jnp.array([jnp.nan, 0.0])}, state)
+      >>> bool(jmp_rewrite.last_step_applied(state))
+      False
+    """
+    return jnp.asarray(get_loss_scale_state(opt_state).last_step_applied, jnp.bool_)
+
+
+def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any) -> jax.Array:
+    """``loss`` multiplied by the current loss scale; differentiate this, not ``loss``.
+
+    The product is computed in float32 (or wider, if ``loss`` is float64), so a float16 loss
+    cannot overflow when scaled; gradients flowing back into half-precision code still carry
+    the full scale.
+
+    Args:
+      loss: the loss (usually a scalar).
+      opt_state: an optimizer state containing exactly one :class:`LossScaleOptimizerState`.
+
+    Returns:
+      ``loss * loss_scale`` as an array of dtype ``promote_types(loss.dtype, float32)``.
+
+    Raises:
+      ValueError: if ``opt_state`` contains no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> state = jmp_rewrite.loss_scale_optimizer(optax.sgd(0.1), 8).init(jnp.ones(2))
+      >>> float(jmp_rewrite.scale_loss(jnp.float16(0.5), state))
+      4.0
+    """
+    scale = get_loss_scale(opt_state)
+    loss = jnp.asarray(loss)
+    dtype = jnp.promote_types(loss.dtype, jnp.float32)
+    return loss.astype(dtype) * scale.astype(dtype)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, ArrayTree]]:
+    """Like ``jax.value_and_grad``, but of the scaled loss; takes the optimizer state first.
+
+    ``value_and_grad(fun, argnums, has_aux)(opt_state, *args, **kwargs)`` differentiates
+    ``scale_loss(fun(*args, **kwargs), opt_state)`` and returns the true (unscaled) value of
+    ``fun`` together with the scaled gradients, ready for the loss-scale optimizer's
+    ``update``.
+
+    Args:
+      fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
+      argnums: which positional argument(s) of ``fun`` to differentiate (counted in ``args``,
+        i.e. not counting ``opt_state``).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(opt_state, *args, **kwargs) -> (value, scaled_grads)``, or
+      ``((value, aux), scaled_grads)`` with ``has_aux``. ``value`` is ``fun``'s own output,
+      unscaled, in its own dtype.
+
+    Raises:
+      TypeError: if ``fun`` is not callable.
+      ValueError: (when called) if ``opt_state`` holds no loss-scale state or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> state = jmp_rewrite.loss_scale_optimizer(optax.sgd(0.1), 4).init(jnp.ones(2))
+      >>> loss, grads = jmp_rewrite.value_and_grad(lambda w: jnp.sum(w**2))(state, jnp.ones(2))
+      >>> float(loss), grads
+      (2.0, Array([8., 8.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(f"value_and_grad expects a callable fun; got {fun!r}")
+
+    def wrapped(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, ArrayTree]:
+        def scaled_fun(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
+            out = fun(*args, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            return scale_loss(loss, opt_state), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)(
+            *args, **kwargs
+        )
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def non_finite_leaves(opt_state: Any, tree: ArrayTree) -> list[tuple[str, str]]:
+    """Host-side report of the gradient leaves that were non-finite at the last step.
+
+    Needs a transformation built with ``debug=True``. Call it outside ``jit`` (it reads
+    concrete values), e.g. when ``last_step_applied`` is ``False``.
+
+    Args:
+      opt_state: an optimizer state containing exactly one :class:`LossScaleOptimizerState`.
+      tree: any pytree with the structure of the gradients (e.g. the params), used for the
+        leaf names.
+
+    Returns:
+      ``[(path, kind), ...]`` for each non-finite leaf, in leaf order; ``path`` is
+      ``jax.tree_util.keystr`` of the leaf and ``kind`` is ``'nan'``, ``'inf'`` or
+      ``'nan+inf'``. Empty when the last step was finite.
+
+    Raises:
+      ValueError: if the optimizer was not built with ``debug=True``, or ``tree`` has a
+        different number of leaves.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jmp_rewrite
+      >>> tx = jmp_rewrite.loss_scale_optimizer(optax.sgd(0.1), debug=True)
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+      >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.array([1.0, -jnp.inf])},
+      ...                      tx.init(params))
+      >>> jmp_rewrite.non_finite_leaves(state, params)
+      [("['b']", 'inf')]
+    """
+    state = get_loss_scale_state(opt_state)
+    info = state.debug
+    if isinstance(info, Mapping):  # nnx.State form
+        info = LossScaleDebugState(info["leaf_has_nan"], info["leaf_has_inf"])
+    if not isinstance(info, LossScaleDebugState):
+        raise ValueError(
+            "non_finite_leaves needs a loss_scale_optimizer built with debug=True; this "
+            "state has no debug information"
+        )
+    has_nan = np.asarray(_leaf_value(info.leaf_has_nan))
+    has_inf = np.asarray(_leaf_value(info.leaf_has_inf))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    if len(paths) != has_nan.shape[0]:
+        raise ValueError(
+            f"tree has {len(paths)} leaves but the debug state records {has_nan.shape[0]}; "
+            "pass a tree with the structure of the gradients"
+        )
+    report = []
+    for path, nan, inf in zip(paths, has_nan, has_inf, strict=True):
+        if nan or inf:
+            report.append((path, "nan+inf" if nan and inf else ("nan" if nan else "inf")))
+    return report
