@@ -436,16 +436,23 @@ OP_LISTS = [
         ## A small attention block
 
         `explain` shows what the rewrite would do, without running anything (the arguments
-        may be `jax.ShapeDtypeStruct`s). Displaying the report gives a table coloured by list,
-        dark green rows run in half precision; hover a row for the pass that painted it.
+        may be `jax.ShapeDtypeStruct`s). Displaying the report gives the totals per phase
+        (forward, backward, optimizer), the lint, and a tree of the program's scopes
+        (`jax.named_scope` here; Flax and Haiku module paths, or the attributes Flax NNX
+        modules are called through): open a scope for its equations, coloured by list, dark
+        green ones run in half precision; hover a row for the pass that painted it, a source
+        cell for the line of code.
         """
     ),
     code(
         """
         def attention(params, x):
-            q, k, v = (x @ params[name] for name in ("wq", "wk", "wv"))
-            weights = jax.nn.softmax(q @ k.T / np.sqrt(q.shape[-1]), axis=-1)
-            y = (weights @ v) @ params["wo"]
+            with jax.named_scope("qkv"):
+                q, k, v = (x @ params[name] for name in ("wq", "wk", "wv"))
+            with jax.named_scope("scores"):
+                weights = jax.nn.softmax(q @ k.T / np.sqrt(q.shape[-1]), axis=-1)
+            with jax.named_scope("output"):
+                y = (weights @ v) @ params["wo"]
             return jnp.mean(y * y)
 
 
@@ -456,6 +463,19 @@ OP_LISTS = [
 
         report = jmp_rewrite.explain(attention, params, x, dtype=jnp.float16)
         report
+        """
+    ),
+    md(
+        """
+        The same as text, one line per scope (or `"line"`, `"primitive"`; on the command line
+        `python -m jmp_rewrite explain module:fn --shapes ... --by scope`), then the lint:
+        matmuls whose dimensions tensor cores cannot take, and deny-list ops that keep a chain
+        of equations float32, with the one list change that would release it and its risk.
+        """
+    ),
+    code(
+        """
+        print(report.format("scope"))
         """
     ),
     md(

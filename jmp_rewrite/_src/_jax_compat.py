@@ -166,3 +166,27 @@ def abstract_key(aval: Any) -> tuple[Any, ...]:
     spec = None if sharding is None or getattr(sharding.mesh, "empty", True) else sharding
     mat = getattr(aval, "mat", None)
     return (aval.shape, str(aval.dtype), aval.weak_type, spec, None if mat is None else str(mat))
+
+
+def traceback_frames(eqn: Any) -> list[tuple[str, str, int, int, int, int]]:
+    """The Python frames that created an equation, innermost first.
+
+    Each frame is ``(file, qualified function name, line, column, end line, end column)`` of
+    the instruction running in it (for a call: the span of the call expression); columns are
+    -1 where JAX's traceback object cannot give them. Equations in a sub-jaxpr (a ``jit``
+    body) carry only the frames of that body's trace. Empty when JAX recorded no traceback.
+    """
+    info = getattr(eqn, "source_info", None)
+    tb = getattr(info, "traceback", None)
+    if tb is None:
+        return []
+    try:  # jaxlib's Traceback: raw (code, lasti) pairs and their source positions
+        codes, lastis = tb.raw_frames()
+        out = []
+        for code, lasti in zip(codes, lastis, strict=True):
+            line, col, end_line, end_col = tb.code_addr2location(code, lasti)
+            name = getattr(code, "co_qualname", code.co_name)
+            out.append((code.co_filename, name, line, col, end_line, end_col))
+        return out
+    except Exception:  # pragma: no cover - older/newer jaxlib: line numbers only
+        return [(f.file_name, f.function_name, f.line_num, -1, f.line_num, -1) for f in tb.frames]

@@ -3,7 +3,8 @@
 * ``demo``: trains a small model in float32 and in mixed precision and compares them (see
   :mod:`jmp_rewrite.demo`); ``make demo`` runs it.
 * ``explain MODULE:FUNCTION --shapes "f32[8,16],f32[16]"``: prints
-  :func:`jmp_rewrite.explain`'s report for a function of the user's, traced at those shapes.
+  :func:`jmp_rewrite.explain`'s report for a function of the user's, traced at those shapes
+  (``--by scope|line|primitive``: grouped, with the lint).
 
 Errors in the arguments (an unknown option, a bad shape spec, a module or function that cannot
 be found) print a one-line message and exit with status 2; a function that fails to trace
@@ -213,6 +214,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     elif args.summary:
         print(report.summary())
+    elif args.by:
+        print(report.format(args.by))
     else:
         print(report)
     if args.html:
@@ -397,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
             "its list, colour and pass, the casts inserted and the totals."
         ),
         epilog=(
-            'example:\n  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]"'
+            "examples:\n"
+            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]"\n'
+            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]" --by line'
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -431,6 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     out = e.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the report as JSON")
     out.add_argument("--summary", action="store_true", help="print only the totals")
+    out.add_argument(
+        "--by",
+        choices=("scope", "line", "primitive"),
+        default=None,
+        help="print one line per model scope (Flax/Haiku module path, named scope, NNX "
+        "attribute), source line of yours or primitive, forward/backward/optimizer apart, "
+        "then the lint (tensor-core shapes, deny chains one list change would release)",
+    )
     e.add_argument(
         "--html", metavar="PATH", default=None, help="also write the coloured HTML report to PATH"
     )

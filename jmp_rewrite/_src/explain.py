@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import html
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import explain_view, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
-from jmp_rewrite._src.graph import Graph, Node
+from jmp_rewrite._src.graph import Graph, Node, is_float
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
 LIST_COLOURS = {
@@ -53,6 +53,18 @@ class EquationReport(EquationPaint):
       out_dtypes_after: output dtypes after.
       flops: multiply-add FLOPs x2 for dot_general / conv equations (times the enclosing
         ``scan`` lengths), else 0.
+      source: ``file:line`` of the user's code that created the equation, ``""`` if unknown.
+      phase: ``forward``, ``backward`` (JAX's transpose) or ``optimizer`` (Optax, nnx's
+        Optimizer, the loss-scale optimizer).
+      in_shapes: shapes of the float inputs (as ``in_dtypes``).
+      out_shapes: shapes of the outputs (as ``out_dtypes``).
+      trips: product of the enclosing ``scan`` lengths.
+      tensor_dims: for matmuls/convs, the named dimensions tensor cores want multiples of 8.
+      released_by: deny-list keys whose move to infer alone would run it in half precision.
+
+    ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
+    ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
+    attributes their modules are called through; ``""``: top level.
     """
 
     in_dtypes: tuple[str, ...] = ()
@@ -60,6 +72,13 @@ class EquationReport(EquationPaint):
     out_dtypes: tuple[str, ...] = ()
     out_dtypes_after: tuple[str, ...] = ()
     flops: int = 0
+    source: str = ""
+    phase: str = "forward"
+    in_shapes: tuple[tuple[int, ...], ...] = ()
+    out_shapes: tuple[tuple[int, ...], ...] = ()
+    trips: int = 1
+    tensor_dims: tuple[tuple[str, int], ...] = ()
+    released_by: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,26 +186,103 @@ class Report:
         )
         return f"{self.summary()}\n\n{table}\n\ncasts inserted:\n{casts or '  none'}"
 
+    def groups(self, by: str = "scope") -> list[explain_view.Group]:
+        """The equations grouped by where they come from, with totals per group and phase.
+
+        Args:
+          by: ``"scope"`` (model scope: Flax/Haiku module path, ``jax.named_scope``, or the
+            attributes NNX/Equinox modules are called through), ``"line"`` (the user's
+            source line) or ``"primitive"``.
+
+        Returns:
+          :class:`~jmp_rewrite._src.explain_view.Group`\\ s in program order, each with
+          ``total`` and ``phases`` (forward/backward/optimizer) statistics: equations,
+          share in half precision, casts, matmul/conv FLOPs in half, bytes produced in
+          float32 and in half precision after the rewrite.
+
+        Raises:
+          ValueError: if ``by`` is not one of ``scope``, ``line``, ``primitive``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jmp_rewrite
+          >>> def f(w, x):
+          ...   with jax.named_scope("dense"):
+          ...     h = x @ w
+          ...   return jnp.exp(h).sum()
+          >>> r = jmp_rewrite.explain(f, jnp.ones((8, 8)), jnp.ones((2, 8)), dtype=jnp.float16)
+          >>> [(g.key, g.total.equations, g.total.half) for g in r.groups("scope")]
+          [('dense', 1, 1), ('', 2, 0)]
+        """
+        return explain_view.groups(self, by)
+
+    def lint(self) -> list[explain_view.Finding]:
+        """What to change: half-precision matmuls/convs with a contracting or output
+        dimension that is not a multiple of 8 (tensor cores need them), and deny-list ops
+        whose move to the infer list alone would run more equations in half precision,
+        with the change and its risk.
+
+        Returns:
+          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s, tensor-core findings first
+          (most FLOPs first), then deny chains (most bytes first).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jmp_rewrite
+          >>> r = jmp_rewrite.explain(lambda w, x: (x @ w).sum(), jnp.ones((8, 100)),
+          ...                         jnp.ones((4, 8)), dtype=jnp.float16)
+          >>> [f.kind for f in r.lint()]
+          ['tensor_cores']
+        """
+        return explain_view.lint(self)
+
+    def format(self, by: str = "scope") -> str:
+        """The report as text: totals, one line per group and phase, then the lint.
+
+        Args:
+          by: ``"scope"``, ``"line"`` or ``"primitive"``, as in :meth:`groups`.
+
+        Returns:
+          A table with, per group and phase, the equations, the share in half precision,
+          the casts, the matmul/conv FLOPs and their share in half precision, the bytes
+          produced in float32 and in half precision and where the group comes from; then
+          :meth:`lint`'s findings with the change to make.
+
+        Raises:
+          ValueError: if ``by`` is not one of ``scope``, ``line``, ``primitive``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jmp_rewrite
+          >>> r = jmp_rewrite.explain(lambda w, x: (x @ w).sum(), jnp.ones((8, 16)),
+          ...                         jnp.ones((4, 8)), dtype=jnp.float16)
+          >>> text = r.format("primitive")
+          >>> next(row for row in text.splitlines() if row.startswith("dot_general")).split()[:4]
+          ['dot_general', 'forward', '1', '100%']
+        """
+        return explain_view.format_groups(self, by)
+
+    def to_html(self) -> str:
+        """The report as an HTML fragment (what a notebook displays).
+
+        Returns:
+          Self-contained HTML (its own scoped ``<style>``): the totals per phase, the lint,
+          and a collapsible tree by scope (``<details>``) with every equation, its list
+          colour, the pass that painted it on hover and its source line. Wrap it in
+          ``<html><body>...</body></html>`` for a stand-alone page.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> import jmp_rewrite
+          >>> r = jmp_rewrite.explain(lambda w, x: (x @ w).sum(), jnp.ones((8, 16)),
+          ...                         jnp.ones((4, 8)), dtype=jnp.float16)
+          >>> r.to_html().count('<tr class="eq"') == len(r.equations)
+          True
+        """
+        return explain_view.to_html(self)
+
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in self._rows()[0])
-        body = []
-        for e, row in zip(self.equations, self._rows()[1:], strict=True):
-            colour = HALF_COLOUR if e.half else LIST_COLOURS.get(e.list, "#ffffff")
-            style = f"background:{colour}" + (";color:white;font-weight:bold" if e.half else "")
-            cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
-            title = html.escape(f"{e.list} op, painted by {e.painted_by or 'no pass'}")
-            body.append(f'<tr style="{style}" title="{title}">{cells}</tr>')
-        legend = " ".join(
-            f'<span style="background:{c};padding:0 6px">{k}</span>'
-            for k, c in [("half precision", HALF_COLOUR), *LIST_COLOURS.items()]
-        )
-        summary = html.escape(self.summary()).replace("\n", "<br>")
-        return (
-            f"<div><p>{summary}</p><p>{legend}</p>"
-            f'<table style="font-family:monospace;font-size:12px;border-collapse:collapse">'
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-            f"<p>{len(self.casts)} casts inserted</p></div>"
-        )
+        return self.to_html()
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain JSON-serialisable data."""
@@ -248,16 +344,59 @@ def _trip_counts(graph: Graph) -> dict[int, int]:
     return counts
 
 
-def _equation(graph: Graph, painting: Any, n: Node, half: str, trips: int) -> EquationReport:
+def _tensor_dims(eqn: Any) -> tuple[tuple[str, int], ...]:
+    """The GEMM dimensions tensor cores want multiples of 8 (contracting and output)."""
+    name = eqn.primitive.name
+    rhs = eqn.invars[1].aval
+    if name == "conv_general_dilated":
+        spec = eqn.params["dimension_numbers"].rhs_spec  # (out feature, in feature, spatial...)
+        grouped = eqn.params.get("feature_group_count", 1) > 1
+        out = (("output channels", rhs.shape[spec[0]]),)
+        return out if grouped else (("input channels", rhs.shape[spec[1]]), *out)
+    if name != "dot_general":
+        return ()
+    lhs = eqn.invars[0].aval
+    (lc, rc), (_, rb) = eqn.params["dimension_numbers"]
+    free = [d for d in range(rhs.ndim) if d not in (*rc, *rb)]
+    return (
+        ("contracting", math.prod(lhs.shape[d] for d in lc)),
+        ("output features", math.prod(rhs.shape[d] for d in free)),
+    )
+
+
+def _equation(
+    graph: Graph,
+    painting: Any,
+    n: Node,
+    half: str,
+    trips: int,
+    origin: Any = None,
+    released: tuple[str, ...] = (),
+) -> EquationReport:
     facts = equation_facts(graph, painting, n)
+    if origin is not None:  # the model scope and source line (source_info)
+        facts["scope"] = origin.scope
     d = dtypes_after(n, facts["colour"], half)
+    eqn = n.eqn
+    extra: dict[str, Any] = {}
+    if eqn is not None:
+        extra = {
+            "flops": _flops(eqn) * trips,
+            "in_shapes": tuple(tuple(a.aval.shape) for a in eqn.invars if is_float(a.aval.dtype)),
+            "out_shapes": tuple(tuple(v.aval.shape) for v in eqn.outvars),
+            "tensor_dims": _tensor_dims(eqn) if eqn.primitive.name in _MATMUL_PRIMITIVES else (),
+        }
     return EquationReport(
         **facts,
         in_dtypes=d["in"],
         in_dtypes_after=d["in_after"],
         out_dtypes=d["out"],
         out_dtypes_after=d["out_after"],
-        flops=_flops(n.eqn) * trips if n.eqn is not None else 0,
+        source=origin.source if origin is not None else "",
+        phase=origin.phase if origin is not None else "forward",
+        trips=trips,
+        released_by=released,
+        **extra,
     )
 
 
@@ -341,7 +480,14 @@ def explain(
     half = _short(entry.config.dtype)
     graph, painting = entry.graph, entry.painting
     trips = _trip_counts(graph)
-    equations = [_equation(graph, painting, n, half, trips.get(n.id, 1)) for n in graph.nodes]
+    origins = source_info.origins(graph)
+    released = explain_view.deny_releases(graph, painting, entry.config.options)
+    equations = [
+        _equation(
+            graph, painting, n, half, trips.get(n.id, 1), origins.get(n.id), released.get(n.id, ())
+        )
+        for n in graph.nodes
+    ]
     log = _CastLog()
     if painting.changed:
         emitter = Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log)
@@ -351,7 +497,7 @@ def explain(
             out_dtypes = [v.aval.dtype for v in inner.outvars]
             return emitter.run(graph.top, jc.consts_of(entry.closed), a, out_dtypes)
 
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inner.invars]
+        avals = [jc.abstract_value(v.aval) for v in inner.invars]
         jax.make_jaxpr(emit)(*avals)
     before = after = None
     if residuals and not _has_backward_pass(graph):

@@ -1,0 +1,651 @@
+"""Readable views of an :func:`jmp_rewrite.explain` report: by scope, source line or primitive.
+
+* :func:`groups`: equations grouped by model scope (Flax/Haiku module path, named scope, or
+  NNX attribute path, see :mod:`jmp_rewrite._src.source_info`), by the user's source line or
+  by primitive; per group and per phase (forward, backward, optimizer) the equations, the
+  share in half precision, the casts, the matmul/conv FLOPs in half precision and the bytes
+  the equations produce in float32 and in half precision after the rewrite.
+* :func:`lint`: what to change. Half-precision matmuls/convs whose contracting or output
+  feature dimensions are not multiples of 8 (NVIDIA's tensor cores need them in float16 and
+  bfloat16; the guidance TF's mixed-precision guide cites), and deny-list ops whose deny
+  chain keeps equations float32 that one list change would release, with the risk.
+* :func:`format_groups` (text) and :func:`to_html` (a collapsible tree by scope).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import html
+import math
+import types
+from typing import TYPE_CHECKING, Any
+
+from jmp_rewrite._src import source_info as si
+from jmp_rewrite._src.emit import ACCUMULATING
+from jmp_rewrite._src.op_lists import REASONS
+from jmp_rewrite._src.paint import paint
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jmp_rewrite._src.explain import EquationReport, Report
+
+BY = ("scope", "line", "primitive")
+#: Tensor cores take float16/bfloat16 GEMMs whose dimensions are multiples of this.
+TENSOR_CORE_MULTIPLE = 8
+_HALF_DTYPES = ("float16", "bfloat16")
+_OUTPUTS = "(program outputs)"
+_PRECISION_STYLES = {
+    "half": "background:{half};color:#fff;font-weight:600",
+    "deny": "background:{deny}",
+    "float32": "background:#eeeeee",
+    "none": "color:#888",
+}
+_LONG_TABLE = 40  # equations: a longer table starts closed
+_ABBR = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+_KIND_TITLES = {
+    "tensor_cores": (
+        f"Tensor cores: half-precision matmuls/convs with a dimension not a multiple of "
+        f"{TENSOR_CORE_MULTIPLE} (they run on slower paths)"
+    ),
+    "deny_chain": "Deny chains: float32 only because of one deny-list op",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Per-equation figures.
+
+
+def _is_equation(e: EquationReport) -> bool:
+    return not e.primitive.startswith("<")
+
+
+def produced_bytes(e: EquationReport) -> tuple[int, int]:
+    """(float32 bytes, half bytes) of the float values ``e`` produces as it runs rewritten,
+    times the enclosing ``scan`` lengths. A fused unit (``jit:log_softmax``) counts zero: its
+    pieces are equations of their own."""
+    if not _is_equation(e) or e.primitive.startswith("jit:"):
+        return 0, 0
+    f32 = half = 0
+    for shape, dtype in zip(e.out_shapes, e.out_dtypes_after, strict=False):
+        size = math.prod(shape) * e.trips
+        if dtype in _HALF_DTYPES:
+            half += size * 2
+        elif dtype == "float32":
+            f32 += size * 4
+    return f32, half
+
+
+# --------------------------------------------------------------------------------------------
+# Groups.
+
+
+@dataclasses.dataclass
+class GroupStats:
+    """Totals of a set of equations (structural vertices are not counted as equations).
+
+    Attributes:
+      equations: equations.
+      half: equations that run in half precision.
+      casts: casts inserted for them.
+      flops: matmul/conv FLOPs (times ``scan`` lengths).
+      half_flops: of which run in half precision.
+      bytes_float32: bytes they produce in float32 after the rewrite.
+      bytes_half: bytes they produce in half precision after the rewrite.
+    """
+
+    equations: int = 0
+    half: int = 0
+    casts: int = 0
+    flops: int = 0
+    half_flops: int = 0
+    bytes_float32: int = 0
+    bytes_half: int = 0
+
+    @property
+    def half_share(self) -> float:
+        return self.half / self.equations if self.equations else 0.0
+
+    @property
+    def half_flops_share(self) -> float | None:
+        """None when there are no matmul/conv FLOPs."""
+        return self.half_flops / self.flops if self.flops else None
+
+    def add(self, other: GroupStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _stats(e: EquationReport, casts: int) -> GroupStats:
+    eq = _is_equation(e)
+    f32, half = produced_bytes(e)
+    return GroupStats(
+        equations=int(eq),
+        half=int(eq and e.half),
+        casts=casts,
+        flops=e.flops,
+        half_flops=e.flops if e.half else 0,
+        bytes_float32=f32,
+        bytes_half=half,
+    )
+
+
+@dataclasses.dataclass
+class Group:
+    """Equations sharing a scope, a source line or a primitive.
+
+    Attributes:
+      key: the scope (``""``: top level), ``file:line`` (``""``: unknown) or primitive.
+      total: :class:`GroupStats` of the whole group.
+      phases: ``{"forward"|"backward"|"optimizer": GroupStats}`` for the phases present.
+      equations: the group's :class:`EquationReport`\\ s, in program order.
+      sources: distinct source lines of the group, in program order.
+      scopes: distinct scopes of the group, in program order.
+    """
+
+    key: str
+    total: GroupStats = dataclasses.field(default_factory=GroupStats)
+    phases: dict[str, GroupStats] = dataclasses.field(default_factory=dict)
+    equations: list[EquationReport] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)
+    scopes: list[str] = dataclasses.field(default_factory=list)
+
+    def _add(self, e: EquationReport, stats: GroupStats) -> None:
+        self.total.add(stats)
+        self.phases.setdefault(e.phase, GroupStats()).add(stats)
+        self.equations.append(e)
+        if e.source and e.source not in self.sources:
+            self.sources.append(e.source)
+        if e.scope not in self.scopes:
+            self.scopes.append(e.scope)
+
+
+def _fits_cast(e: EquationReport, to_half: bool) -> bool:
+    """Whether ``e`` can be the consumer of a cast to half (``to_half``) or to float32."""
+    if to_half:
+        return e.half
+    return not e.half or e.primitive in ("convert_element_type", *ACCUMULATING)
+
+
+def cast_owners(report: Report) -> list[int | None]:
+    """For each cast of ``report``, the index of the equation it feeds (None: an output).
+
+    Casts name their consumer by path, which repeats (every top-level ``dot_general`` is
+    ``dot_general``); they are matched in program order to an equation with that path (or
+    inside that call) whose precision fits the cast's direction.
+    """
+    by_path: dict[str, list[int]] = collections.defaultdict(list)
+    for i, e in enumerate(report.equations):
+        by_path[e.path].append(i)
+        parts = e.path.split("/")
+        for k in range(1, len(parts)):
+            by_path["/".join(parts[:k])].append(i)
+    owners: list[int | None] = []
+    pointer = 0
+    for c in report.casts:
+        candidates = sorted(by_path.get(c.where, ()))
+        to_half = c.to_dtype == report.dtype
+        good = [i for i in candidates if _fits_cast(report.equations[i], to_half)] or candidates
+        after = [i for i in good if i >= pointer]
+        owner = (after or good or [None])[0]
+        owners.append(owner)
+        pointer = owner if owner is not None else pointer
+    return owners
+
+
+def _key(e: EquationReport, by: str) -> str:
+    return e.scope if by == "scope" else e.source if by == "line" else e.primitive
+
+
+def groups(report: Report, by: str = "scope") -> list[Group]:
+    """Groups the equations of ``report``; see :meth:`jmp_rewrite.Report.groups`."""
+    if by not in BY:
+        raise ValueError(f"by={by!r}: expected one of {', '.join(BY)}")
+    out: dict[str, Group] = {}
+    casts = collections.Counter(cast_owners(report))
+    for i, e in enumerate(report.equations):
+        key = _key(e, by)
+        out.setdefault(key, Group(key))._add(e, _stats(e, casts.get(i, 0)))
+    if casts.get(None):
+        group = out.setdefault(_OUTPUTS, Group(_OUTPUTS))
+        group.total.casts += casts[None]
+    for g in out.values():
+        g.phases = {p: g.phases[p] for p in si.PHASES if p in g.phases}
+    return list(out.values())
+
+
+def phase_totals(report: Report) -> dict[str, GroupStats]:
+    """:class:`GroupStats` per phase of the whole program."""
+    out: dict[str, GroupStats] = {}
+    casts = collections.Counter(cast_owners(report))
+    for i, e in enumerate(report.equations):
+        out.setdefault(e.phase, GroupStats()).add(_stats(e, casts.get(i, 0)))
+    return {p: out[p] for p in si.PHASES if p in out}
+
+
+# --------------------------------------------------------------------------------------------
+# Lint.
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One lint finding of :func:`lint`.
+
+    Attributes:
+      kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8) or
+        ``deny_chain`` (one list change would run more equations in half precision).
+      message: one line for a person.
+      scope: the model scope of (the first of) the equations concerned.
+      source: their user source line (``file:line``), or ``""``.
+      equations: paths of the equations concerned.
+      flops: their matmul/conv FLOPs (``tensor_cores``).
+      bytes: float32 bytes that would become half precision (``deny_chain``).
+      change: what to change.
+      risk: what the change risks, or ``""``.
+    """
+
+    kind: str
+    message: str
+    scope: str
+    source: str
+    equations: tuple[str, ...]
+    flops: int = 0
+    bytes: int = 0
+    change: str = ""
+    risk: str = ""
+
+
+def deny_releases(graph: Any, painting: Any, options: dict[str, Any]) -> dict[int, tuple[str, ...]]:
+    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
+
+    Repaints the graph once per deny key present (the passes run on node kinds only, so
+    nodes of that key are swapped for infer copies; nothing is traced again).
+    """
+    if not painting.changed or options.get("force_all"):
+        return {}
+    keys = sorted(
+        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
+    )
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for key in keys:
+        nodes = [
+            dataclasses.replace(n, kind="infer", listed_kind="infer")
+            if n.key == key and n.kind == "deny"
+            else n
+            for n in graph.nodes
+        ]
+        p = paint(
+            types.SimpleNamespace(
+                nodes=nodes, outputs=graph.outputs, input_avals=graph.input_avals
+            ),
+            infer_follows_allow=bool(options.get("infer_follows_allow", True)),
+        )
+        for i in sorted(p.allow - painting.allow):
+            if graph.nodes[i].eqn is not None:
+                out[i].append(key)
+    return {i: tuple(v) for i, v in out.items()}
+
+
+def _shape(shape: tuple[int, ...], dtype: str) -> str:
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}.get(dtype, dtype)
+    return f"{short}[{','.join(map(str, shape))}]"
+
+
+def _where(scope: str, source: str) -> str:
+    where = f" at {si.short_path(source.rpartition(':')[0])}:{source.rpartition(':')[2]}"
+    return (where if source else "") + (f" ({scope})" if scope else "")
+
+
+def lint(report: Report) -> list[Finding]:
+    """Findings for ``report``; see :meth:`jmp_rewrite.Report.lint`."""
+    findings: list[Finding] = []
+    odd: dict[tuple[Any, ...], list[EquationReport]] = {}
+    for e in report.equations:
+        if not e.half or not e.tensor_dims:
+            continue
+        bad = tuple((n, d) for n, d in e.tensor_dims if d % TENSOR_CORE_MULTIPLE)
+        if bad:
+            odd.setdefault((e.scope, e.source, e.primitive, e.phase, bad), []).append(e)
+    for (scope, source, prim, phase, bad), eqs in odd.items():
+        e = eqs[0]
+        dims = ", ".join(f"{name} {d}" for name, d in bad)
+        shapes = " x ".join(_shape(s, d) for s, d in zip(e.in_shapes, e.in_dtypes_after))
+        count = f" ({len(eqs)} equations)" if len(eqs) > 1 else ""
+        fix = " and ".join(
+            f"{name} {d} -> {-(-d // TENSOR_CORE_MULTIPLE) * TENSOR_CORE_MULTIPLE}"
+            for name, d in bad
+        )
+        findings.append(
+            Finding(
+                kind="tensor_cores",
+                message=(
+                    f"{phase} {prim} {shapes}{_where(scope, source)}{count}: {dims} not a "
+                    f"multiple of {TENSOR_CORE_MULTIPLE}"
+                ),
+                scope=scope,
+                source=source,
+                equations=tuple(x.path for x in eqs),
+                flops=sum(x.flops for x in eqs),
+                change=f"pad or resize: {fix}",
+            )
+        )
+    findings.sort(key=lambda f: -f.flops)
+    released: dict[str, list[EquationReport]] = collections.defaultdict(list)
+    for e in report.equations:
+        for key in e.released_by:
+            released[key].append(e)
+    chains = []
+    for key, eqs in released.items():
+        seeds = [e for e in eqs if e.key == key] or eqs
+        if len(seeds) == len(eqs):
+            continue  # only the deny ops themselves: no chain kept float32 by them
+        size = sum(produced_bytes(e)[0] for e in eqs)
+        where = _where(seeds[0].scope, seeds[0].source)
+        more = f" and {len(seeds) - 1} more places" if len(seeds) > 1 else ""
+        risk = REASONS.get(key, "")
+        if report.dtype == "float16":
+            risk += "; float16 overflows above 65504 and loses precision in long sums"
+        chains.append(
+            Finding(
+                kind="deny_chain",
+                message=(
+                    f"{key} (deny){where}{more} keeps {_plural(len(eqs), 'equation')} "
+                    f"float32; on the infer list they would run in {report.dtype} "
+                    f"({_fmt_bytes(size)} less float32 output)"
+                ),
+                scope=seeds[0].scope,
+                source=seeds[0].source,
+                equations=tuple(e.path for e in eqs),
+                bytes=size,
+                change=f'lists.move("{key}", to="infer")',
+                risk=risk.strip("; "),
+            )
+        )
+    chains.sort(key=lambda f: -f.bytes)
+    return findings + chains
+
+
+# --------------------------------------------------------------------------------------------
+# Text.
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # pragma: no cover
+
+
+def _fmt_flops(n: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if n < 1000 or unit == "T":
+            return f"{n:.0f}" if not unit else f"{n:.1f}{unit}"
+        n /= 1000
+    return ""  # pragma: no cover
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _label(key: str, by: str) -> str:
+    if key == _OUTPUTS:
+        return key
+    if by == "scope":
+        return key or "(top level)"
+    if by == "line":
+        path, _, line = key.rpartition(":")
+        return f"{si.short_path(path)}:{line}" if key else "(no source line)"
+    return key
+
+
+def _short_sources(sources: list[str], limit: int = 2) -> str:
+    shown = [_label(s, "line") for s in sources[:limit]]
+    return ", ".join(shown) + (f" +{len(sources) - limit}" if len(sources) > limit else "")
+
+
+def format_groups(report: Report, by: str = "scope") -> str:
+    """A text table of :func:`groups`, one row per group and phase, then the lint."""
+    rows = [
+        (by, "phase", "eqns", "half", "casts", "FLOPs", "half", "f32 out", "half out", "where"),
+    ]
+    for g in groups(report, by):
+        label = _label(g.key, by)
+        where = ", ".join(s or "(top level)" for s in g.scopes[:2]) if by == "line" else ""
+        where = where or _short_sources(g.sources)
+        phases = g.phases.items() if g.phases else [("", g.total)]
+        for i, (phase, s) in enumerate(phases):
+            rows.append(
+                (
+                    label if i == 0 else "",
+                    phase,
+                    str(s.equations),
+                    _pct(s.half_share) if s.equations else "-",
+                    str(s.casts),
+                    _fmt_flops(s.flops) if s.flops else "-",
+                    _pct(s.half_flops_share),
+                    _fmt_bytes(s.bytes_float32),
+                    _fmt_bytes(s.bytes_half),
+                    where if i == 0 else "",
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = {2, 3, 4, 5, 6, 7, 8}
+    lines = [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+    found = lint(report)
+    text = [report.summary(), "", *lines, "", f"lint ({_plural(len(found), 'finding')}):"]
+    for f in found:
+        text.append(f"  [{f.kind}] {f.message}")
+        if f.kind == "tensor_cores":
+            text[-1] += " (tensor cores need multiples of 8 in half precision)"
+        text.append(f"      change: {f.change}" + (f"; risk: {f.risk}" if f.risk else ""))
+    if not found:
+        text.append("  nothing to change")
+    return "\n".join(text)
+
+
+# --------------------------------------------------------------------------------------------
+# HTML: a collapsible tree by scope.
+
+_CSS = """
+.jmpx{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;color:#111;
+ background:#fff;padding:8px;line-height:1.45}
+.jmpx table{border-collapse:collapse;margin:4px 0 8px 0}
+.jmpx th,.jmpx td{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left;
+ vertical-align:top;white-space:nowrap}
+.jmpx th{background:#f3f3f3;font-weight:600}
+.jmpx td.num,.jmpx th.num{text-align:right;font-variant-numeric:tabular-nums}
+.jmpx code,.jmpx td.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
+.jmpx details{margin:2px 0 2px 18px}
+.jmpx details.root{margin-left:0}
+.jmpx summary{cursor:pointer;padding:2px 4px;border-radius:3px}
+.jmpx summary:hover{background:#f0f4fa}
+.jmpx .name{font-weight:600;font-family:ui-monospace,Menlo,Consolas,monospace}
+.jmpx .chip{display:inline-block;margin-left:10px;color:#333}
+.jmpx .muted{color:#666}
+.jmpx .bar{display:inline-block;width:70px;height:9px;background:#e3e3e3;margin:0 4px;
+ vertical-align:middle;border-radius:2px;overflow:hidden}
+.jmpx .bar span{display:block;height:100%}
+.jmpx .tag{padding:1px 6px;border-radius:3px;color:#111}
+.jmpx .legend .tag{margin-right:6px}
+.jmpx .lint li{margin:3px 0}
+"""
+
+
+def _bar(share: float, colour: str) -> str:
+    return (
+        f'<span class="bar" title="{100 * share:.0f}% of the equations in half precision">'
+        f'<span style="width:{100 * share:.0f}%;background:{colour}"></span></span>'
+    )
+
+
+def _chips(s: GroupStats, phases: dict[str, GroupStats], half_colour: str) -> str:
+    e = html.escape
+    parts = [
+        f'<span class="chip">{_plural(s.equations, "equation")} {_bar(s.half_share, half_colour)}'
+        f"{_pct(s.half_share)} half</span>",
+        f'<span class="chip">{_plural(s.casts, "cast")}</span>',
+    ]
+    if s.flops:
+        parts.append(
+            f'<span class="chip">{_fmt_flops(s.flops)} FLOPs, {_pct(s.half_flops_share)} '
+            "half</span>"
+        )
+    parts.append(
+        f'<span class="chip" title="bytes produced after the rewrite">out: '
+        f"{_fmt_bytes(s.bytes_float32)} f32 / {_fmt_bytes(s.bytes_half)} half</span>"
+    )
+    split = " · ".join(f"{_ABBR[p]} {v.equations}" for p, v in phases.items() if v.equations)
+    if len(phases) > 1:
+        parts.append(f'<span class="chip muted">{e(split)}</span>')
+    return "".join(parts)
+
+
+def _source_cell(source: str) -> str:
+    if not source:
+        return '<td class="mono muted">-</td>'
+    path, _, line = source.rpartition(":")
+    title = html.escape(f"{source}\n{si.source_text(source)}")
+    return f'<td class="mono" title="{title}">{html.escape(si.short_path(path))}:{line}</td>'
+
+
+def _equation_rows(eqs: list[EquationReport], colours: dict[str, str], half: str) -> str:
+    head = (
+        "<tr><th>phase</th><th>equation</th><th>list</th><th>precision</th>"
+        "<th>dtypes in</th><th>dtypes out</th><th>shape out</th><th>source</th></tr>"
+    )
+    rows = []
+    for e in eqs:
+        title = html.escape(f"{e.list} op, painted by {e.painted_by or 'no pass'}")
+        floats = e.in_dtypes or any(d.startswith(("float", "bfloat")) for d in e.out_dtypes)
+        precision = "half" if e.half else e.colour if floats else "no floats"
+        style = "half" if e.half else "deny" if e.colour == "deny" else "float32"
+        p_style = _PRECISION_STYLES[style if floats else "none"].format(half=half, **colours)
+        shape = ", ".join(_shape(s, d) for s, d in zip(e.out_shapes, e.out_dtypes_after))
+        rows.append(
+            f'<tr class="eq" title="{title}"><td>{e.phase}</td>'
+            f'<td class="mono">{html.escape(e.path)}</td>'
+            f'<td><span class="tag" style="background:{colours.get(e.list, "#fff")}">'
+            f"{html.escape(e.list)}</span></td>"
+            f'<td style="{p_style}" title="{title}">{precision}</td>'
+            f'<td class="mono">{html.escape(_arrow(e.in_dtypes, e.in_dtypes_after))}</td>'
+            f'<td class="mono">{html.escape(_arrow(e.out_dtypes, e.out_dtypes_after))}</td>'
+            f'<td class="mono">{html.escape(shape)}</td>{_source_cell(e.source)}</tr>'
+        )
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def _arrow(before: tuple[str, ...], after: tuple[str, ...]) -> str:
+    b, a = ",".join(before), ",".join(after)
+    return b if a == b else f"{b} → {a}"
+
+
+@dataclasses.dataclass
+class _Node:
+    name: str
+    stats: GroupStats = dataclasses.field(default_factory=GroupStats)
+    phases: dict[str, GroupStats] = dataclasses.field(default_factory=dict)
+    children: dict[str, _Node] = dataclasses.field(default_factory=dict)
+    own: Group | None = None
+
+
+def _tree(report: Report) -> _Node:
+    root = _Node("")
+    for g in groups(report, "scope"):
+        if g.key == _OUTPUTS:
+            continue
+        path = g.key.split("/") if g.key else []
+        node, chain = root, [root]
+        for part in path:
+            node = node.children.setdefault(part, _Node(part))
+            chain.append(node)
+        node.own = g
+        for n in chain:
+            n.stats.add(g.total)
+            for p, s in g.phases.items():
+                n.phases.setdefault(p, GroupStats()).add(s)
+    if root.own is not None:  # equations outside any scope: a last entry of their own
+        root.children["(top level)"] = _Node("(top level)", root.own.total, root.own.phases)
+        root.children["(top level)"].own = root.own
+    return root
+
+
+def _render(node: _Node, colours: dict[str, str], half: str, depth: int) -> str:
+    body = "".join(_render(c, colours, half, depth + 1) for c in node.children.values())
+    if node.own is not None and node.own.equations:
+        own = node.own
+        rows = _equation_rows(own.equations, colours, half)
+        if node.children:  # the scope's own equations, beside its sub-scopes
+            where = _short_sources(own.sources, 3)
+            label = _plural(own.total.equations, "equation") + " directly here"
+            label += f" ({where})" if where else ""
+            rows = f"<details><summary class='muted'>{html.escape(label)}</summary>{rows}</details>"
+        body += rows
+    phases = {p: node.phases[p] for p in si.PHASES if p in node.phases}
+    # Top-level scopes open: their sub-scopes' summaries show; a long table stays closed.
+    long = not node.children and node.stats.equations > _LONG_TABLE
+    opened = " open" if depth < 1 and not long else ""
+    return (
+        f"<details{opened}><summary><span class='name'>{html.escape(node.name)}</span>"
+        f"{_chips(node.stats, phases, half)}</summary>{body}</details>"
+    )
+
+
+def _summary_table(report: Report) -> str:
+    head = ["equations", "half", "casts", "matmul/conv FLOPs", "in half", "float32 out"]
+    rows = ["<tr><th>phase</th>" + "".join(f"<th class='num'>{h}</th>" for h in head)]
+    rows[0] += "<th class='num'>half out</th></tr>"
+    for p, s in phase_totals(report).items():
+        cells = [s.equations, _pct(s.half_share), s.casts, _fmt_flops(s.flops)]
+        cells += [_pct(s.half_flops_share), _fmt_bytes(s.bytes_float32), _fmt_bytes(s.bytes_half)]
+        rows.append(f"<tr><td>{p}</td>" + "".join(f"<td class='num'>{c}</td>" for c in cells))
+    return f"<table>{''.join(rows)}</table>"
+
+
+def _lint_html(found: list[Finding]) -> str:
+    if not found:
+        return "<p class='muted'>Lint: nothing to change.</p>"
+    sections = []
+    for kind, title in _KIND_TITLES.items():
+        items = []
+        for f in (f for f in found if f.kind == kind):
+            risk = f"<br><span class='muted'>risk: {html.escape(f.risk)}</span>" if f.risk else ""
+            items.append(
+                f"<li>{html.escape(f.message)}<br>change: <code>{html.escape(f.change)}</code>"
+                f"{risk}</li>"
+            )
+        if items:
+            sections.append(f"<div>{html.escape(title)}<ul>{''.join(items)}</ul></div>")
+    return (
+        f"<details open class='lint root'><summary><b>Lint: {_plural(len(found), 'finding')}</b>"
+        f"</summary>{''.join(sections)}</details>"
+    )
+
+
+def to_html(report: Report) -> str:
+    """The report as an HTML fragment: totals per phase, a legend, the lint and the tree of
+    scopes (``<details>``), each with its equations (list colour, pass on hover, source)."""
+    from jmp_rewrite._src.explain import HALF_COLOUR, LIST_COLOURS
+
+    summary = html.escape(report.summary()).replace("\n", "<br>")
+    legend = "".join(
+        f"<span class='tag' style='background:{c}{';color:#fff' if k == 'half' else ''}'>{k}</span>"
+        for k, c in [("half", HALF_COLOUR), *LIST_COLOURS.items()]
+    )
+    top = "".join(_render(c, LIST_COLOURS, HALF_COLOUR, 0) for c in _tree(report).children.values())
+    return (
+        f"<div class='jmpx'><style>{_CSS}</style><p>{summary}</p>{_summary_table(report)}"
+        f"<p class='legend'>lists: {legend} <span class='muted'>(hover a row for the pass "
+        f"that painted it, a source cell for its code)</span></p>{_lint_html(lint(report))}"
+        f"<div class='tree'>{top}</div></div>"
+    )
