@@ -1,11 +1,14 @@
 # make test / make demo create .venv on first use; nothing else needs installing by hand.
+# make test-newest does the same in .venv-newest with the newest Python the machine has
+# (pyenv's; where `pip install jax` gives the newest jax), the other end of what we support.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
+NEWEST_PYTHON ?= $(shell .ci/newest_python)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo lint format bench clean
+.PHONY: test test-newest demo lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +25,9 @@ test: $(STAMP) lint
 	if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --nbmake notebooks; fi
 
+test-newest:
+	$(MAKE) test VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+
 demo: $(STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
@@ -34,4 +40,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache runs
+	rm -rf .venv .venv-newest .pytest_cache runs

@@ -396,9 +396,9 @@ def test_every_matmul_and_conv_runs_in_half(model, dtype_name, program):
 def test_normalisation_statistics_painting(dtype_name):
     """Layer norm statistics (mean and E[x^2]: reduce_sum) and softmax's sum: none runs in
     half precision in float16 (Sum is deny, as TF's FusedBatchNorm keeps U=float). TF's
-    oneDNN bfloat16 lists make Sum infer, so there the second layer norm's statistics and the
-    pooling mean follow the half-precision matmuls; the first layer norm precedes every
-    matmul and softmax's sum follows exp (deny)."""
+    oneDNN bfloat16 lists make Sum infer, but normalization statistics stay float32 in both
+    dtypes (``keep_normalization_statistics_float32``): only the pooling mean follows the
+    half-precision matmuls; softmax's sum follows exp (deny)."""
     c = case("transformer")
     params, rest, x, _ = c.args
     painting = jmp_rewrite.paint(c.apply, params, rest, x, dtype=HALF[dtype_name])
@@ -408,4 +408,7 @@ def test_normalisation_statistics_painting(dtype_name):
     if dtype_name == "float16":
         assert sums == ["deny"] * 6
     else:
-        assert sums == ["float32", "float32", "deny", "allow", "allow", "allow"]
+        assert sums == ["float32", "float32", "deny", "float32", "float32", "allow"]
+    stats = [e for e in painting.find("reduce_sum") if e.colour == "float32"]
+    assert all(e.painted_by == "keep_normalization_statistics_float32" for e in stats)
+    assert [e.colour for e in painting.find("rsqrt")] == ["float32"] * 2

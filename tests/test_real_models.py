@@ -128,14 +128,22 @@ class Model:
     def painted(self, eqns: Iterable[Any]) -> list[Any]:
         """The paint of top-level emitted equations: the k-th top-level ``p`` equation of the
         emitted program is the k-th top-level ``p`` vertex of the painting (the emitter only
-        adds casts; casts and call equations, which paint does not list, are skipped)."""
+        adds casts, and wraps half-precision gathers and broadcasts in a ``custom_jvp`` for
+        their float32 tangents, looked through here; casts and call equations, which paint
+        does not list, are skipped)."""
         top = [p for p in self.painting if "/" not in p.path]
+        top_eqns = []
+        for e in self.emitted.jaxpr.eqns:
+            if e.primitive.name == "custom_jvp_call":
+                top_eqns += [i for sub in sub_jaxprs(e) for i in sub.eqns]
+            else:
+                top_eqns.append(e)
         found = []
         for eqn in eqns:
             name = eqn.primitive.name
             if name == "convert_element_type" or name in CALLS:
                 continue
-            emitted = [e for e in self.emitted.jaxpr.eqns if e.primitive.name == name]
+            emitted = [e for e in top_eqns if e.primitive.name == name]
             painted = [p for p in top if p.primitive == name]
             assert len(emitted) == len(painted), (name, len(emitted), len(painted))
             found.append(painted[next(i for i, e in enumerate(emitted) if e is eqn)])

@@ -556,11 +556,18 @@ def _const(rec: EqnRec, i: int) -> bool:
 
 def clamp(value: Any, dtype: Any) -> Any:
     """A constant's finite values clamped to the range of the half ``dtype`` (infinities and
-    NaN kept), in its own dtype."""
+    NaN kept), in its own dtype. A concrete constant (a captured array) is checked and
+    clamped now, once, so nothing is added to the program when it is in range."""
     info = jnp.finfo(dtype)
     lo, hi = float(info.min), float(info.max)
-    if isinstance(value, jax.core.Tracer) or isinstance(value, jax.Array):
+    if isinstance(value, jax.core.Tracer):  # computed from constants inside the program
         return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
+    with jax.ensure_compile_time_eval():
+        if isinstance(value, jax.Array):
+            big = jnp.isfinite(value) & ((value < lo) | (value > hi))
+            if not bool(jnp.any(big)):
+                return value
+            return jnp.where(big, jnp.clip(value, lo, hi), value)
     value = np.asarray(value)
     return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)
 

@@ -72,7 +72,7 @@ def equation_facts(graph: Graph, painting: Painting, node: Node) -> dict[str, An
         "colour": painting.colour(node.id) if changed else "float32",
         "painted_by": painting.painted_by.get(node.id) if changed else None,
         "float32": node.float32,
-        "in_float32_region": not node.process and node.unit is None,
+        "in_float32_region": node.region,
         "scope": user_scope(eqn),
     }
 

@@ -48,15 +48,20 @@ class Origin:
       copy_of: the program input this value is an exact copy of (through calls, loop carries
         passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
       derived: program inputs this value is computed from elementwise, through infer and
-        clear ops of the same shape (``new = a * old + b * f(x)``: a state update).
+        clear ops of the same shape.
+      updates: those of ``derived`` that an addition or subtraction has combined with
+        something else on the way (``new = a * old + b * f(x)``: a state update).
     """
 
     const: bool = False
     copy_of: int | None = None
     derived: frozenset[int] = frozenset()
+    updates: frozenset[int] = frozenset()
 
 
 _NOWHERE = Origin()
+#: Primitives that combine an old value with a new one in a state update.
+_COMBINES = ("add", "sub", "add_any")
 _CONST = Origin(const=True)
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
@@ -153,6 +158,8 @@ class Node:
       is_cast: an existing ``convert_element_type`` to float32 (TF's Cast rule).
       feeds_output: the value leaves the program (a TF fetch: never retargeted).
       unit: id of the fused unit this node sits in, if any.
+      region: inside a :func:`jmp_rewrite.float32_region`.
+      origin: where its value comes from (see :class:`Origin`).
     """
 
     id: int
@@ -166,6 +173,7 @@ class Node:
     is_cast: bool = False
     feeds_output: bool = False
     unit: int | None = None
+    region: bool = False
     origin: Origin = _NOWHERE
     fanin: list[int] = dataclasses.field(default_factory=list)
     fanout: list[int] = dataclasses.field(default_factory=list)
@@ -261,6 +269,7 @@ class Graph:
             path=path,
             eqn=eqn,
             unit=unit,
+            region=not process and unit is None,
             fanin=[s for s in fanin if s is not None],
         )
         self.nodes.append(node)
@@ -377,6 +386,7 @@ class Graph:
         copies = {o.copy_of for o in floats}
         copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None
         derived: frozenset[int] = frozenset()
+        updates: frozenset[int] = frozenset()
         if listed in ("infer", "clear") or eqn.primitive.name == "convert_element_type":
             shape = getattr(eqn.outvars[0].aval, "shape", None) if eqn.outvars else None
             same = [
@@ -385,7 +395,11 @@ class Graph:
                 if is_float(a.aval.dtype) and getattr(a.aval, "shape", None) == shape
             ]
             derived = frozenset().union(*(o.derived for o in same))
-        return Origin(const=const, copy_of=copy_of, derived=derived)
+            updates = frozenset().union(*(o.updates for o in same)) & derived
+            if eqn.primitive.name in _COMBINES:
+                # old + something else: every input of ``derived`` some operand lacks
+                updates |= frozenset(j for j in derived if any(j not in o.derived for o in ins))
+        return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
 
     @staticmethod
     def _const_origins(body: Any) -> list[Origin]:

@@ -68,12 +68,13 @@ def _fanout(n: Node) -> list[int]:
 
 
 def _keep_float32(g: Graph, p: Painting, ids: Iterable[int], why: str) -> None:
-    """Takes nodes out of painting: they run in their original dtype, like a float32 region
-    (never converted, blocking allow, not spreading deny)."""
+    """Takes nodes out of painting: they are never painted allow and block allow's spread,
+    but keep their list for TF's deny propagation (a float32 Sum still spreads deny), so
+    the rest of the program is painted as TF would paint it."""
     for i in ids:
         n = g.nodes[i]
         if n.process:
-            n.process, n.kind = False, UNLISTED
+            n.process = False
             p.painted_by[i] = why
 
 
@@ -109,12 +110,12 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     for src, _, aval in g.outputs:
         if src is None or not is_f32(aval.dtype):
             continue
-        for j in g.nodes[src].origin.derived:
+        for j in g.nodes[src].origin.updates:
             inp = g.input_avals[j]
             if inp.shape == aval.shape and is_f32(inp.dtype):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
-        ids = _walk_up(g, roots, lambda v, j=j: v.eqn is not None and j in v.origin.derived)
+        ids = _walk_up(g, roots, lambda v, j=j: v.eqn is not None and j in v.origin.updates)
         _keep_float32(g, p, ids, "keep_state_updates_float32")
 
 
@@ -138,21 +139,45 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
     the reductions (and, past them, the squares and centring they sum) keeps float32; allow
     ops (the matmul or conv producing ``x``) and any other op past a reduction stop it.
     """
-    stack = [(n.id, False) for n in g.nodes if n.key == "rsqrt" and n.process and n.eqn]
-    seen: set[tuple[int, bool]] = set()
+
+    def eligible(n: Node) -> bool:
+        return n.eqn is not None and n.process and n.listed_kind != ALLOW
+
+    # Below the reductions: the nodes between an rsqrt and the reductions it reads. An
+    # rsqrt that no reduction feeds is no statistic and is left to the lists.
+    leads: dict[int, bool] = {}  # node -> a reduction is reachable upwards through eligibles
+
+    def reaches_reduction(v: int) -> bool:
+        stack, order = [v], []
+        while stack:
+            u = stack.pop()
+            if u in leads:
+                continue
+            leads[u] = False  # provisional (cycles through loop carries are not eligible)
+            order.append(u)
+            n = g.nodes[u]
+            if n.key not in _REDUCTIONS:
+                stack.extend(f for f in n.fanin if eligible(g.nodes[f]))
+        for u in reversed(order):
+            n = g.nodes[u]
+            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)
+        return leads[v]
+
     keep: list[int] = []
-    while stack:
-        v, past = stack.pop()
-        if (v, past) in seen:
+    reductions: list[int] = []
+    for root in (n.id for n in g.nodes if n.key == "rsqrt" and eligible(n)):
+        if not reaches_reduction(root):
             continue
-        seen.add((v, past))
-        n = g.nodes[v]
-        if n.eqn is None or not n.process or n.listed_kind == ALLOW:
-            continue
-        if past and n.key not in _STATISTIC_INPUTS and n.key not in _REDUCTIONS:
-            continue
-        keep.append(v)
-        stack.extend((f, past or n.key in _REDUCTIONS) for f in n.fanin)
+        for v in _walk_up(g, [root], lambda n: eligible(n) and leads.get(n.id, False)):
+            keep.append(v)
+            if g.nodes[v].key in _REDUCTIONS:
+                reductions.append(v)
+    # Above the reductions: the squares and the centring they sum.
+    keep += _walk_up(
+        g,
+        reductions,
+        lambda n: eligible(n) and (n.key in _STATISTIC_INPUTS or n.key in _REDUCTIONS),
+    )
     _keep_float32(g, p, keep, "keep_normalization_statistics_float32")
 
 
