@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import arguments, nnx_support
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
@@ -176,8 +177,12 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
     )
 
 
-def _aval_key(x: Any) -> Any:
-    return jc.abstract_key(jax.typeof(x))
+@dataclasses.dataclass
+class _Entry:
+    """A cache entry: the painted program and where its outputs go."""
+
+    rewritten: Rewritten
+    outputs: arguments.Outputs
 
 
 class _RewrittenFunction:
@@ -190,18 +195,22 @@ class _RewrittenFunction:
         lists: Any,
         level: str | None,
         infer_follows_allow: bool,
-        static_argnums: tuple[int, ...],
-        static_argnames: tuple[str, ...],
+        static: arguments.StaticArgs,
     ):
         self.fun = fun
         self.dtype = validate_dtype(dtype) if dtype is not None else None
         self.lists = lists
         self.level = level
         self.infer_follows_allow = infer_follows_allow
-        self.static_argnums = static_argnums
-        self.static_argnames = static_argnames
-        self._cache: dict[Any, Rewritten] = {}
+        self.static = static
+        self._cache: dict[Any, _Entry] = {}
+        # Traces per key with static Python numbers left out (to warn about re-tracing).
+        self._churn: dict[Any, list[Any]] = {}
         functools.update_wrapper(self, fun)
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.fun, "__name__", type(self.fun).__name__)
 
     def config(self) -> RewriteConfig | None:
         dtype, lists, level, follow = self.dtype, self.lists, self.level, self.infer_follows_allow
@@ -217,51 +226,59 @@ class _RewrittenFunction:
             dtype = platform_dtype()
         return resolve_config(dtype, lists, level, follow)
 
-    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        static_args = {i: args[i] for i in self.static_argnums if i < len(args)}
-        static_kwargs = {k: kwargs[k] for k in self.static_argnames if k in kwargs}
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_args)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
-        return static_args, static_kwargs, dyn_args, dyn_kwargs
+    def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        call = arguments.split_call(self.static, args, kwargs, self._name)
+        config = self.config()
+        key = (call.key, config)
+        try:
+            entry = self._cache.get(key)
+        except TypeError:
+            raise arguments.unhashable_error(
+                call, self.static, args, kwargs, self.fun, self._name
+            ) from None
+        if entry is None:
+            self._note_retrace(call.key, args, kwargs)
+            entry = self._trace(call, config)
+            self._cache[key] = entry
+        return entry, call
+
+    def _note_retrace(self, key: arguments.CallKey, args, kwargs) -> None:
+        seen = self._churn.setdefault(arguments.churn_key(key), [])
+        seen.append(key)
+        if len(seen) == arguments.CHURN_WARNING_AFTER:
+            arguments.warn_churn(seen[0], key, self.static, args, kwargs, self.fun, self._name)
 
     def trace(self, *args: Any, **kwargs: Any) -> tuple[Rewritten, list[Any]]:
-        """Traces and paints for these arguments (cached); returns it and the flat inputs."""
-        static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(args, kwargs)
-        flat, in_tree = jax.tree.flatten((dyn_args, dyn_kwargs))
-        config = self.config()
-        try:
-            key = (
-                in_tree,
-                tuple(_aval_key(x) for x in flat),
-                tuple(sorted(static_args.items())),
-                tuple(sorted(static_kwargs.items())),
-                config,
-            )
-            hash(key)
-        except TypeError as e:
-            raise TypeError(f"static arguments of {self.__name__} must be hashable: {e}") from None
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._trace(static_args, static_kwargs, flat, in_tree, config)
-            self._cache[key] = entry
-        return entry, flat
+        """Traces and paints for these arguments (cached); returns it and the flat inputs
+        (the array leaves of the arguments, NNX state included)."""
+        entry, call = self._lookup(args, kwargs)
+        return entry.rewritten, call.dynamic
 
-    def _trace(self, static_args, static_kwargs, flat, in_tree, config) -> Rewritten:
-        def flat_fun(*flat_args):
-            d_args, d_kwargs = jax.tree.unflatten(in_tree, flat_args)
-            it = iter(d_args)
-            n = len(d_args) + len(static_args)
-            full = [static_args[i] if i in static_args else next(it) for i in range(n)]
-            return self.fun(*full, **d_kwargs, **static_kwargs)
+    def _trace(self, call: arguments.Call, config: RewriteConfig | None) -> _Entry:
+        key, name = call.key, self._name
+        graphdef = key.graphdef
+        outputs: list[arguments.Outputs] = []
 
-        avals = [jc.abstract_value(jax.typeof(x)) for x in flat]
+        def flat_fun(*dynamic):
+            args, kwargs, nodes, before = arguments.rebuild(key, dynamic)
+            out = self.fun(*args, **kwargs)
+            state = nnx_support.changed_state(graphdef, nodes, before, name) if nodes else None
+            arrays, layout = arguments.flatten_outputs((out, state))
+            outputs.append(layout)
+            return arrays
+
+        avals = arguments.trace_avals(call.dynamic)
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
         graph, painting = analyse(closed, config)
-        return Rewritten(closed, graph, painting, config, jax.tree.structure(out_shape))
+        rewritten = Rewritten(closed, graph, painting, config, jax.tree.structure(out_shape))
+        return _Entry(rewritten, outputs[-1])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, flat = self.trace(*args, **kwargs)
-        return jax.tree.unflatten(entry.out_tree, entry.emit(flat))
+        entry, call = self._lookup(args, kwargs)
+        out, state = entry.outputs.unflatten(entry.rewritten.emit(call.dynamic))
+        if state is not None:
+            nnx_support.write_back(call.nodes, state)
+        return out
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
@@ -270,26 +287,6 @@ class _RewrittenFunction:
 
     def __repr__(self) -> str:
         return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype})"
-
-
-def _normalize_static(
-    static_argnums: int | Sequence[int] | None, static_argnames: str | Sequence[str] | None
-):
-    if static_argnums is None:
-        nums: tuple[int, ...] = ()
-    elif isinstance(static_argnums, int):
-        nums = (static_argnums,)
-    else:
-        nums = tuple(static_argnums)
-    if any(not isinstance(n, int) or n < 0 for n in nums):
-        raise ValueError(f"static_argnums must be non-negative ints, got {static_argnums!r}")
-    if static_argnames is None:
-        names: tuple[str, ...] = ()
-    elif isinstance(static_argnames, str):
-        names = (static_argnames,)
-    else:
-        names = tuple(static_argnames)
-    return nums, names
 
 
 @overload
@@ -337,6 +334,29 @@ def rewrite(
     shapes and dtypes as ``fun``'s. A program with no allowlist op (no matmul/conv) is
     returned unchanged. Use as a plain call or a decorator, with or without arguments.
 
+    Arguments are taken as ``jax.jit`` takes them, with Equinox's filter convention for the
+    leaves of the others and Flax NNX objects handled as ``nnx.jit`` handles them:
+
+    * ``static_argnums`` / ``static_argnames`` are mapped to each other through ``fun``'s
+      signature (as in ``jax.jit``), so a static argument may be passed by position or by
+      keyword.
+    * In every other argument, of any pytree structure, array leaves (``jax.Array``, NumPy
+      arrays and scalars, ``jax.ShapeDtypeStruct``) are traced, and every other leaf --
+      Python numbers and bools, strings, functions, other objects -- is static, as in
+      ``eqx.filter_jit``: passed to ``fun`` as it is and part of the cache key (compared by
+      type and value, so it must be hashable). So ``eqx.filter_jit(rewrite(f))(module, x)``
+      works, and an ``int`` argument may size an array. Unlike under ``jax.jit``, Python
+      numbers are not traced: wrapping ``fun`` never turns a concrete value into a tracer.
+      A number that changes on every call re-traces on every call (a warning says so after
+      a few): pass it as an array, or call under ``jax.jit``, which traces it.
+    * Flax NNX objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``, variables), anywhere in
+      the arguments, may be updated in place as under ``nnx.jit``: they are split into
+      structure and state, and the caller's objects are updated after the call. Both
+      ``nnx.jit(rewrite(step))`` and ``rewrite(nnx.jit(step))`` train. (``jax.jit`` copies
+      NNX objects, with or without the rewrite: use ``nnx.jit``.)
+    * The result's array leaves come out of the rewritten program; its other leaves (e.g.
+      the functions inside an updated Equinox module) are returned as ``fun`` made them.
+
     Args:
       fun: the function to rewrite (any JAX-traceable callable: a loss, a model apply, a
         whole jitted train step).
@@ -350,15 +370,19 @@ def rewrite(
         ``"UNSAFE_FORCE_ALL"`` (default: ``JMP_REWRITE_LEVEL`` or the default level).
       infer_follows_allow: run TF's pass 4 (TF >= 2.20 does in every mode); False gives
         the TF <= 2.19 float16 behaviour.
-      static_argnums: positional arguments that are not arrays (as in ``jax.jit``).
-      static_argnames: keyword arguments that are not arrays.
+      static_argnums: indices of static arguments, as in ``jax.jit`` (negative ones count
+        from the end of ``fun``'s positional parameters).
+      static_argnames: names of static arguments, as in ``jax.jit``.
 
     Returns:
       The rewritten function (or, without ``fun``, a decorator producing one).
 
     Raises:
-      TypeError: if ``fun`` is not callable.
-      ValueError: if ``dtype`` is not float16, bfloat16 or None.
+      TypeError: if ``fun`` is not callable, or ``static_argnums``/``static_argnames`` are
+        not ints/strs; when called, if a static value is not hashable.
+      ValueError: if ``dtype`` is not float16, bfloat16 or None, or a static index or name
+        is not a parameter of ``fun``; when called, if an NNX object is declared static or
+        ``fun`` changes the structure of one.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -368,14 +392,23 @@ def rewrite(
       ...   return jnp.tanh(x @ w)
       >>> layer(jnp.ones((4, 4)), jnp.ones((2, 4))).dtype
       dtype('float32')
+      >>> def blocks(w, x, n, act):
+      ...   for _ in range(n):
+      ...     x = act(x @ w)
+      ...   return x
+      >>> f = jmp_rewrite.rewrite(blocks, dtype=jnp.bfloat16, static_argnames="n")
+      >>> f(jnp.eye(4), jnp.ones((2, 4)), 3, act=jnp.tanh).shape  # act: static, automatically
+      (2, 4)
     """
     validate_dtype(dtype)
-    nums, names = _normalize_static(static_argnums, static_argnames)
+    # Checked here too so that a bad value fails at decoration, even without ``fun``.
+    arguments.resolve_static(lambda *a, **k: None, static_argnums, static_argnames)
 
     def decorate(f: F) -> F:
         if not callable(f):
             raise TypeError(f"rewrite expects a callable, got {type(f).__name__}: {f!r}")
-        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, nums, names)  # type: ignore[return-value]
+        static = arguments.resolve_static(f, static_argnums, static_argnames)
+        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, static)  # type: ignore[return-value]
 
     if fun is None:
         return decorate
