@@ -394,21 +394,18 @@ def test_every_matmul_and_conv_runs_in_half(model, dtype_name, program):
 
 @pytest.mark.parametrize("dtype_name", HALF)
 def test_normalisation_statistics_painting(dtype_name):
-    """Layer norm statistics (mean and E[x^2]: reduce_sum) and softmax's sum: none runs in
-    half precision in float16 (Sum is deny, as TF's FusedBatchNorm keeps U=float). TF's
-    oneDNN bfloat16 lists make Sum infer, but normalization statistics stay float32 in both
-    dtypes (``keep_normalization_statistics_float32``): only the pooling mean follows the
-    half-precision matmuls; softmax's sum follows exp (deny)."""
+    """Layer norm statistics (mean and E[x^2]: reduce_sum) stay float32 in both dtypes
+    (``keep_normalization_statistics_float32``, as TF's FusedBatchNorm keeps U=float);
+    softmax's sum follows exp (deny). The pooling mean is deny in float16 (Sum), and in
+    bfloat16, whose oneDNN lists make Sum infer, follows the half-precision matmuls."""
     c = case("transformer")
     params, rest, x, _ = c.args
     painting = jmp_rewrite.paint(c.apply, params, rest, x, dtype=HALF[dtype_name])
     assert painting.changed
     assert painting.colours("dot_general") == ["allow"] * MODELS["transformer"][2]
     sums = painting.colours("reduce_sum")
-    if dtype_name == "float16":
-        assert sums == ["deny"] * 6
-    else:
-        assert sums == ["float32", "float32", "deny", "float32", "float32", "allow"]
+    pooling = "deny" if dtype_name == "float16" else "allow"
+    assert sums == ["float32", "float32", "deny", "float32", "float32", pooling]
     stats = [e for e in painting.find("reduce_sum") if e.colour == "float32"]
     assert all(e.painted_by == "keep_normalization_statistics_float32" for e in stats)
     assert [e.colour for e in painting.find("rsqrt")] == ["float32"] * 2

@@ -317,14 +317,8 @@ class Graph:
             if key.startswith("jit:") and layout is not None:
                 out, erec = self._unit(eqn, layout, key, ins, here, in_region, unit, in_origins)
             elif layout is not None and layout.kind in _CALL_KINDS:
-                body = layout.body()
-                sub, out, out_origins = self._scope(
-                    jc.open_jaxpr(body),
-                    self._with_consts(body, ins),
-                    f"{here}/",
-                    in_region,
-                    unit,
-                    self._const_origins(body) + in_origins,
+                sub, out, out_origins = self._enter(
+                    layout.body(), ins, f"{here}/", in_region, unit, in_origins
                 )
                 erec = EqnRec(layout.kind, subs={"body": sub})
             elif layout is not None:
@@ -401,14 +395,6 @@ class Graph:
                 updates |= frozenset(j for j in derived if any(j not in o.derived for o in ins))
         return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
 
-    @staticmethod
-    def _const_origins(body: Any) -> list[Origin]:
-        return [_CONST] * len(jc.open_jaxpr(body).constvars)
-
-    @staticmethod
-    def _with_consts(body: Any, ins: list[int | None]) -> list[int | None]:
-        return [None] * len(jc.open_jaxpr(body).constvars) + ins
-
     def _structural(
         self, key: str, path: str, avals: list[Any], process: bool, unit: int | None
     ) -> list[int | None]:
@@ -437,19 +423,11 @@ class Graph:
         node = self._node(
             key, path, float32=eqn_is_float32(eqn), process=process, unit=unit, fanin=ins, eqn=eqn
         )
-        body = layout.body()
         inner = [
             node if s is not None or is_float(v.aval.dtype) else None
             for s, v in zip(ins, eqn.invars, strict=True)
         ]
-        sub, _, _ = self._scope(
-            jc.open_jaxpr(body),
-            self._with_consts(body, inner),
-            f"{path}/",
-            region,
-            node,
-            self._const_origins(body) + in_origins,
-        )
+        sub, _, _ = self._enter(layout.body(), inner, f"{path}/", region, node, in_origins)
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
         return out, EqnRec("unit", node=node, subs={"body": sub})
 
@@ -462,13 +440,8 @@ class Graph:
         args = layout.split(ins)["args"]
         arg_origins = layout.split(in_origins)["args"]
         for i, branch in enumerate(layout.body("cases")):
-            sub, bouts, _ = self._scope(
-                jc.open_jaxpr(branch),
-                self._with_consts(branch, args),
-                f"{path}/branch{i}/",
-                region,
-                unit,
-                self._const_origins(branch) + arg_origins,
+            sub, bouts, _ = self._enter(
+                branch, args, f"{path}/branch{i}/", region, unit, arg_origins
             )
             self._link(outs, bouts)
             subs.append(sub)
@@ -534,14 +507,19 @@ class Graph:
         return out
 
     def _body(self, layout, role, ins, path, region, unit, origins):
-        body = layout.body(role)
+        return self._enter(layout.body(role), ins, f"{path}/{role}/", region, unit, origins)
+
+    def _enter(self, body, ins, path, region, unit, origins):
+        """Adds a body (closed or open jaxpr) whose invars take ``ins``; its consts are
+        constants from nowhere in the graph."""
+        n_consts = len(jc.open_jaxpr(body).constvars)
         return self._scope(
             jc.open_jaxpr(body),
-            self._with_consts(body, ins),
-            f"{path}/{role}/",
+            [None] * n_consts + list(ins),
+            path,
             region,
             unit,
-            self._const_origins(body) + origins,
+            [_CONST] * n_consts + list(origins),
         )
 
     def _consts(self, atoms, sources, path, process, unit):

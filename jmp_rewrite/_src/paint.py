@@ -210,17 +210,20 @@ def propagate_deny_forward_through_clear_and_infer(g: Graph, p: Painting) -> Non
             lambda v, r: v.id == r or (v.id not in upstream and v.kind == CLEAR),
         ):
             upstream.add(v)
+    reached: set[int] = set()
     for r in (n.id for n in g.nodes if n.kind == DENY):
-        if r in p.deny:
+        if r in reached:
             continue
         for v in _dfs(
             [r],
             _fanout,
             g.nodes,
-            lambda v, r: v.id == r or (v.id not in p.deny and v.id in upstream),
+            lambda v, r: v.id == r or (v.id not in reached and v.id in upstream),
         ):
-            p.deny.add(v)
-            p.painted_by[v] = "propagate_deny_forward_through_clear_and_infer"
+            reached.add(v)
+            if g.nodes[v].process:  # nodes kept float32 by an earlier pass keep that reason
+                p.deny.add(v)
+                p.painted_by[v] = "propagate_deny_forward_through_clear_and_infer"
 
 
 def _eligible(n: Node, p: Painting) -> bool:
