@@ -451,8 +451,12 @@ class Graph:
     def _while(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
         ops, atoms, orig = layout.split(ins), layout.split(eqn.invars), layout.split(in_origins)
-        cconsts = self._consts(atoms["cond_consts"], ops["cond_consts"], path, process, unit)
-        bconsts = self._consts(atoms["body_consts"], ops["body_consts"], path, process, unit)
+        cconsts = self._consts(
+            atoms["cond_consts"], ops["cond_consts"], path, process, unit, orig["cond_consts"]
+        )
+        bconsts = self._consts(
+            atoms["body_consts"], ops["body_consts"], path, process, unit, orig["body_consts"]
+        )
         carries = self._structural(
             "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
@@ -473,16 +477,18 @@ class Graph:
         process = not region and unit is None
         ops, atoms, orig = layout.split(ins), layout.split(eqn.invars), layout.split(in_origins)
         nconst, ncarry = layout.size("consts"), layout.size("carry")
-        consts = self._consts(atoms["consts"], ops["consts"], path, process, unit)
+        consts = self._consts(atoms["consts"], ops["consts"], path, process, unit, orig["consts"])
         carries = self._structural(
             "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
         x_avals = [v.aval for v in layout.inner().invars[nconst + ncarry :]]
         xnodes = self._structural("<xs>", f"{path}/xs", x_avals, process, unit)
+        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]  # a slice of a copy is one
+        self._copies(xnodes, x_in)
         self._link(carries, ops["carry"])
         self._link(xnodes, ops["xs"])
         carry_in = [Origin(copy_of=o.copy_of) for o in orig["carry"]]
-        body_in = orig["consts"] + carry_in + [_NOWHERE] * len(xnodes)
+        body_in = orig["consts"] + carry_in + x_in
         sub, bouts, bout_origins = self._body(
             layout, "body", consts + carries + xnodes, path, region, unit, body_in
         )
@@ -494,7 +500,9 @@ class Graph:
         rec = EqnRec(ho.SCAN, subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
         rec.operands = consts + carries + xnodes
         carry_out = self._carry_origins(carries, carry_in, bout_origins[:ncarry])
-        return carries + ynodes, rec, carry_out + [_NOWHERE] * len(ynodes)
+        ys_out = [Origin(copy_of=o.copy_of) for o in bout_origins[ncarry:]]  # stacked copies
+        self._copies(ynodes, ys_out)
+        return carries + ynodes, rec, carry_out + ys_out
 
     def _carry_origins(self, carries, carry_in, bout_origins):
         """A carry the body hands on unchanged stays a copy of what entered the loop."""
@@ -522,9 +530,16 @@ class Graph:
             [_CONST] * n_consts + list(origins),
         )
 
-    def _consts(self, atoms, sources, path, process, unit):
+    def _consts(self, atoms, sources, path, process, unit, origins):
         """Loop-invariant operands enter through a clear node (TF's v1 ``Enter``), so a weight
         used only by half-precision ops in the body is cast once, before the loop."""
         nodes = self._structural("<const>", f"{path}/const", [a.aval for a in atoms], process, unit)
         self._link(nodes, sources)
+        self._copies(nodes, origins)
         return nodes
+
+    def _copies(self, nodes, origins):
+        """Structural nodes (loop consts, scan streams) hand their operand on unchanged."""
+        for node, o in zip(nodes, origins, strict=True):
+            if node is not None:
+                self.nodes[node].origin = Origin(copy_of=o.copy_of)
