@@ -13,12 +13,18 @@ Invariants, checked for ``dtype=float16`` and ``dtype=bfloat16`` on generated pr
   jnp ops follow their inputs' dtype, Python scalars stay weak) and its outputs cast back:
   the crudest hand-written mixed precision. The rewrite chooses which ops run in half
   precision; it must not lose more than running *everything* in half precision would.
-  Errors are root-mean-squares over four input draws of the same compiled programs: two
-  different roundings of one computation differ by luck (a gradient that nearly cancels
-  showed ratios from 0.6 to 2.7 across single draws), the factor 1.5 absorbs what is left,
-  and the absolute term covers outputs the naive program happens to compute exactly.
-  Elements not finite in the float32 result are left out; a naive output not finite where
-  float32 is imposes no bound (I3 covers the rewrite there).
+  Errors are medians over 16 input draws of the same compiled programs. Two different
+  roundings of one computation differ by luck, with heavy tails: on one generated program
+  (attention in a scan) the rewrite was 0.69x the naive error over 32 draws, but between
+  0.24x and 2.7x over blocks of 4 (root-mean-square), one draw deciding each block. The
+  median ignores such draws and still sees a systematic loss; the factor 1.5 absorbs what
+  luck is left, and the absolute term covers outputs the naive program computes exactly.
+  Outputs whose naive error exceeds ``25u`` (relative) are exempt: half precision cannot
+  compute them (e.g. the gradient through a batch normalisation of 8 rows where a relu left
+  a column almost constant, amplifying rounding by up to ``1/sqrt(eps)``), both errors are
+  O(1) and their ratio is noise (measured over 16 draws: 0.806 vs 0.805). Elements not
+  finite in the float32 result are left out; a naive output not finite where float32 is
+  imposes no bound (I3 covers the rewrite there).
 * **I3 -- finite stays finite.** No element finite in the float32 result is ``inf`` or
   ``NaN`` in the rewritten result.
 
@@ -64,7 +70,8 @@ DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16
 UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
 I2_FACTOR = 1.5
 I2_ULPS = 4
-DRAWS = 4  # input draws per generated program (one compilation, four runs)
+I2_ILL_CONDITIONED = 25  # no I2 bound where the naive half error exceeds 25u (relative)
+DRAWS = 16  # input draws per generated program (one compilation, 16 cheap runs)
 
 B, D, V, N = 8, 16, 4, 64  # batch, width, embedding rows, scatter rows
 # Row 0 fully masked (float32 gives a uniform row); the others keep >= 1 entry.
@@ -115,8 +122,7 @@ def check_invariants(
 
     ``fun`` returns a dict of arrays. It is compiled once per version (float32, rewritten,
     naive half) and run on every argument tuple in ``draws``; I1 and I3 must hold for each
-    draw, I2 for the root-mean-square of the errors over the draws, which keeps one lucky or
-    unlucky rounding (a gradient that nearly cancels) from deciding it.
+    draw, I2 for the medians of the errors over the draws.
     """
     versions = [
         jax.jit(fun),
@@ -125,7 +131,7 @@ def check_invariants(
     ]
     u = UNIT_ROUNDOFF[dtype]
     problems: dict[str, str] = {}
-    sq: dict[str, list[float]] = {}  # name -> [sum err_new^2, sum err_naive^2, sum atol^2]
+    errs: dict[str, list[tuple[float, float, float, float]]] = {}  # per draw
     for args in draws:
         ref, new, naive = (v(*args) for v in versions)
         assert jax.tree.structure(new) == jax.tree.structure(ref)
@@ -147,18 +153,17 @@ def check_invariants(
                 continue
             finite = rn[np.isfinite(rn)]
             atol = I2_ULPS * u * (float(np.max(np.abs(finite))) if finite.size else 0.0)
-            acc = sq.setdefault(name, [0.0, 0.0, 0.0, 0.0])
-            for j, e in enumerate((_error(y, r), _error(h, r), atol, np.linalg.norm(finite))):
-                acc[j] += e * e
-    for name, (e_new, e_naive, atol, scale) in sq.items():  # I2
-        if name in problems:
+            scale = float(np.linalg.norm(finite)) or 1.0
+            errs.setdefault(name, []).append((_error(y, r), _error(h, r), atol, scale))
+    for name, rows in errs.items():  # I2, on medians over the draws
+        e_new, e_naive, atol, scale = np.median(np.asarray(rows), axis=0)
+        if name in problems or e_naive > I2_ILL_CONDITIONED * u * scale:
             continue
-        e_new, e_naive, atol, scale = (math.sqrt(v) for v in (e_new, e_naive, atol, scale))
         if e_new > I2_FACTOR * e_naive + atol:
-            scale = scale or 1.0
             problems[name] = (
-                f"I2 {name}: rewrite error {e_new / scale:.3g} (relative) > "
-                f"{I2_FACTOR} x naive-half error {e_naive / scale:.3g} + {I2_ULPS} ulp"
+                f"I2 {name}: rewrite error {e_new / scale:.3g} (relative, median of "
+                f"{len(rows)} draws) > {I2_FACTOR} x naive-half error {e_naive / scale:.3g} "
+                f"+ {I2_ULPS} ulp"
             )
     assert not problems, "\n".join(problems.values())
 
@@ -374,16 +379,23 @@ def _rel(y: Any, ref: Any) -> float:
 
 
 @DTYPES
-@pytest.mark.parametrize("wrapper", ["jit", "checkpoint"])
+@pytest.mark.parametrize("wrapper", ["jit", "checkpoint", "scan"])
 def test_item1_passthrough_of_inner_call_is_bit_exact(dtype, wrapper):
-    """``jax.jit(lambda w, x: (x @ w, w))`` returns ``w`` unrounded (issue: off by 1.9e-3)."""
-    inner = {"jit": jax.jit, "checkpoint": jax.checkpoint}[wrapper](lambda w, x: (x @ w, w))
-    f = lambda w, x: inner(w, x)
-    w, x = _rng_f32(0, (16, 16)), _rng_f32(1, (4, 16))
+    """``jax.jit(lambda w, x: (x @ w, w))`` returns ``w`` unrounded (issue: off by 1.9e-3).
+
+    ``scan``: the body returns the loop-invariant ``w`` as a per-step output (``ys``).
+    """
+    if wrapper == "scan":
+        f = lambda w, x: lax.scan(lambda h, _: (h @ w, w), x, None, length=2)
+    else:
+        inner = {"jit": jax.jit, "checkpoint": jax.checkpoint}[wrapper](lambda w, x: (x @ w, w))
+        f = lambda w, x: inner(w, x)
+    w, x = _rng_f32(0, (16, 16), 0.25), _rng_f32(1, (4, 16))
     y, w_out = jmp_rewrite.rewrite(f, dtype=dtype)(w, x)
+    y32, w32 = f(w, x)
     assert w_out.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(w_out), np.asarray(w))
-    assert _rel(y, x @ w) < 4 * UNIT_ROUNDOFF[dtype]  # the matmul still ran in half
+    np.testing.assert_array_equal(np.asarray(w_out), np.asarray(w32))
+    assert _rel(y, y32) < 6 * UNIT_ROUNDOFF[dtype]  # the matmuls still ran in half
 
 
 @DTYPES
