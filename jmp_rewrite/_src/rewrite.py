@@ -197,6 +197,9 @@ class _RewrittenFunction:
         infer_follows_allow: bool,
         static: arguments.StaticArgs,
     ):
+        # First: update_wrapper copies ``fun.__dict__`` (nnx.jit's and our own wrappers carry
+        # attributes such as ``static_argnums`` or ``dtype``), which must not shadow ours.
+        functools.update_wrapper(self, fun)
         self.fun = fun
         self.dtype = validate_dtype(dtype) if dtype is not None else None
         self.lists = lists
@@ -206,7 +209,6 @@ class _RewrittenFunction:
         self._cache: dict[Any, _Entry] = {}
         # Traces per key with static Python numbers left out (to warn about re-tracing).
         self._churn: dict[Any, list[Any]] = {}
-        functools.update_wrapper(self, fun)
 
     @property
     def _name(self) -> str:
