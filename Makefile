@@ -38,6 +38,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
 	$(BIN)/python benchmarks/loss_scale_overhead.py
+	$(BIN)/python benchmarks/numerics_vs_handwritten.py
 
 clean:
 	rm -rf .venv .venv-newest .pytest_cache runs

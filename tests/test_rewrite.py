@@ -556,3 +556,17 @@ def test_out_of_range_float32_literals_are_clamped_not_infinite():
 
     out = jr.rewrite(f, dtype=jnp.float16)(_rand(4, 4), _rand(1, 4), jnp.zeros((1, 4), bool))
     np.testing.assert_allclose(out, np.full((1, 4), 0.25))
+
+
+def test_rewriting_a_rewritten_function_keeps_the_outer_options():
+    # functools.update_wrapper copies the wrapped function's __dict__; the outer rewrite's
+    # own dtype and cache must survive it (they were the inner one's).
+    inner = jr.rewrite(lambda w, x: jnp.tanh(x @ w), dtype=jnp.float16)
+    outer = jr.rewrite(inner, dtype=jnp.bfloat16)
+    assert outer.dtype == np.dtype(jnp.bfloat16) and inner.dtype == F16
+    assert outer._cache is not inner._cache
+    # The inner rewrite runs first, while the outer one traces: its float16 matmul is no
+    # float32 equation, so the outer painting leaves it as it is.
+    w = _rand(X.shape[-1], 8)
+    dots = prims(emitted(outer, w, X), "dot_general")
+    assert dots and {np.dtype(v.aval.dtype) for e in dots for v in e.invars} == {F16}
