@@ -20,7 +20,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_speedup.py"
 MODELS = ("gpt", "resnet50", "vit")
-VARIANTS = ("f32", "rw-bf16", "hand-bf16", "rw-f16-lso", "rw-f16-lso-select", "f32-tf32")
+VARIANTS = (
+    "f32",
+    "rw-bf16",
+    "rw-bf16-cuda-lists",
+    "hand-bf16",
+    "rw-f16-lso",
+    "rw-f16-lso-select",
+    "f32-tf32",
+)
 HALF = ("rw-bf16", "rw-bf16-cuda-lists", "hand-bf16", "rw-f16-lso", "rw-f16-lso-select")
 FLOAT32 = ("f32", "f32-tf32")
 
