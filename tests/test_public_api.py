@@ -8,7 +8,16 @@ import pytest
 
 import jmp_rewrite
 
-MODULES = ["rewrite", "explain", "seed", "regions", "loss_scale", "loss_scale_optimizer"]
+MODULES = [
+    "rewrite",
+    "explain",
+    "seed",
+    "regions",
+    "loss_scale",
+    "loss_scale_optimizer",
+    "finite",
+    "loss_scale_state",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
