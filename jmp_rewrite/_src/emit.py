@@ -370,6 +370,15 @@ class Emitter:
             self.trace_cache[key] = make()
         return self.trace_cache[key]
 
+    def trace_program(self, closed: Any, out_dtypes: Sequence[Any] | None = None) -> Any:
+        """The whole painted program re-emitted as a closed jaxpr at ``closed``'s own input
+        avals (outputs in their original dtypes unless ``out_dtypes`` says otherwise)."""
+        inner = jc.open_jaxpr(closed)
+        if out_dtypes is None:
+            out_dtypes = [v.aval.dtype for v in inner.outvars]
+        in_avals = [jc.abstract_value(v.aval) for v in inner.invars]
+        return self.trace(self.graph.top, jc.consts_of(closed), in_avals, out_dtypes)
+
     def _path(self, scope: ScopeRec, eqn: Any, rec: EqnRec) -> str:
         if rec.node is not None:
             return self.graph.nodes[rec.node].path
@@ -577,11 +586,7 @@ def _literal(value: Any, dtype: Any) -> Any:
     ``dtype`` is clamped to its largest finite value rather than becoming infinite: such
     constants are sentinels (``jnp.finfo(jnp.float32).min`` as an attention mask), and an
     infinite mask turns a fully masked softmax row into NaN."""
-    value = np.asarray(value)
-    if jnp.issubdtype(dtype, jnp.floating) and np.all(np.isfinite(value)):
-        info = jnp.finfo(dtype)
-        value = np.clip(value, float(info.min), float(info.max))
-    return np.asarray(value, dtype=dtype)
+    return np.asarray(clamp(np.asarray(value), dtype), dtype=dtype)
 
 
 def _describe(atom: Any) -> str:
@@ -623,10 +628,4 @@ def rewrite_closed(
     )
     if not painting.changed:
         return closed
-    emitter = Emitter(graph, painting, dtype, options)
-    inner = jc.open_jaxpr(closed)
-    in_avals = [jc.abstract_value(v.aval) for v in inner.invars]
-    consts = jc.consts_of(closed)
-    if out_dtypes is None:
-        out_dtypes = [v.aval.dtype for v in inner.outvars]
-    return emitter.trace(graph.top, consts, in_avals, out_dtypes)
+    return Emitter(graph, painting, dtype, options).trace_program(closed, out_dtypes)

@@ -19,12 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import explain_view, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
-from jmp_rewrite._src.graph import Graph, Node, is_float
+from jmp_rewrite._src.graph import Graph, Node, is_float, walk_scopes
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
 LIST_COLOURS = {
@@ -331,16 +330,12 @@ def _trip_counts(graph: Graph) -> dict[int, int]:
     """Node id -> product of enclosing scan lengths."""
     counts: dict[int, int] = {}
 
-    def visit(scope: Any, mult: int) -> None:
-        for rec in scope.eqns:
-            if rec.node is not None:
-                counts[rec.node] = mult
-            inner = mult * (rec.layout.length if rec.layout is not None else 1)
-            for sub in rec.subs.values():
-                for s in sub if isinstance(sub, list) else [sub]:
-                    visit(s, inner)
+    def step(mult: int, eqn: Any, rec: Any) -> int:
+        if rec.node is not None:
+            counts[rec.node] = mult
+        return mult * (rec.layout.length if rec.layout is not None else 1)
 
-    visit(graph.top, 1)
+    walk_scopes(graph.top, 1, step)
     return counts
 
 
@@ -408,11 +403,6 @@ class _CastLog(Hooks):
 
     def cast(self, where: str, what: str, src: Any, dst: Any) -> None:
         self.casts.append(CastReport(where, what, str(src), str(np.dtype(dst))))
-
-
-def _has_backward_pass(graph: Graph) -> bool:
-    """Whether the program already differentiates something (a train step)."""
-    return any(n.eqn is not None and "transpose(" in jc.name_stack(n.eqn) for n in graph.nodes)
 
 
 def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> int | None:
@@ -489,18 +479,14 @@ def explain(
         for n in graph.nodes
     ]
     log = _CastLog()
-    if painting.changed:
-        emitter = Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log)
-        inner = jc.open_jaxpr(entry.closed)
-
-        def emit(*a: Any) -> list[Any]:
-            out_dtypes = [v.aval.dtype for v in inner.outvars]
-            return emitter.run(graph.top, jc.consts_of(entry.closed), a, out_dtypes)
-
-        avals = [jc.abstract_value(v.aval) for v in inner.invars]
-        jax.make_jaxpr(emit)(*avals)
+    if painting.changed:  # re-emitted abstractly: the hook hears every cast
+        Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log).trace_program(
+            entry.closed
+        )
     before = after = None
-    if residuals and not _has_backward_pass(graph):
+    # A program that already differentiates something (a train step): no residual figure.
+    has_backward = any(o.phase == source_info.BACKWARD for o in origins.values())
+    if residuals and not has_backward:
         before = _residual_bytes(fun, args, kwargs)
         after = _residual_bytes(fn, args, kwargs) if before is not None else None
     return Report(

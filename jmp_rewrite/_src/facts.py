@@ -11,7 +11,6 @@ runs on. ``explain``'s :class:`~jmp_rewrite.EquationReport` and ``compare``'s
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
@@ -19,6 +18,7 @@ from jmp_rewrite._src.emit import accumulates_in_float32
 from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
 from jmp_rewrite._src.paint import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE
+from jmp_rewrite._src.source_info import split_name_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +106,9 @@ def dtypes_after(node: Node, colour: str, half: str) -> dict[str, tuple[str, ...
     }
 
 
-_TRANSFORM = re.compile(r"\b\w+\(")
-
-
 def user_scope(eqn: Any) -> str:
     """The user's name scopes of an equation: ``transpose(jvp(loss))`` -> ``loss``."""
     stack = jc.name_stack(eqn) if eqn is not None else ""
     if FLOAT32_REGION_SCOPE in stack:
         return ""
-    return "/".join(p for p in _TRANSFORM.sub("", stack).replace(")", "").split("/") if p)
+    return "/".join(split_name_stack(stack)[0])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -140,6 +141,16 @@ def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
             )
         return out
     return [[] for _ in range(n)]
+
+
+def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:
+    """Visits every equation of a scope and its sub-scopes, in program order:
+    ``step(ctx, eqn, rec)`` returns the context its sub-scopes are visited with."""
+    for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
+        inner = step(ctx, eqn, rec)
+        for sub in rec.subs.values():
+            for s in sub if isinstance(sub, list) else [sub]:
+                walk_scopes(s, inner, step)
 
 
 @dataclasses.dataclass

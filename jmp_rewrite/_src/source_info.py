@@ -36,6 +36,7 @@ import sysconfig
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src.graph import walk_scopes
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -303,15 +304,12 @@ def origins(graph: Any) -> dict[int, Origin]:
     """
     out: dict[int, Origin] = {}
 
-    def visit(scope: Any, ctx: _Context) -> None:
-        for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
-            inner = _enter(ctx, eqn)
-            here = _origin(inner)
-            for node in _rec_nodes(rec):
-                out.setdefault(node, here)
-            for sub in rec.subs.values():
-                for s in sub if isinstance(sub, list) else [sub]:
-                    visit(s, inner)
+    def step(ctx: _Context, eqn: Any, rec: Any) -> _Context:
+        inner = _enter(ctx, eqn)
+        here = _origin(inner)
+        for node in _rec_nodes(rec):
+            out.setdefault(node, here)
+        return inner
 
-    visit(graph.top, _Context())
+    walk_scopes(graph.top, _Context(), step)
     return out
