@@ -447,7 +447,7 @@ _def_structural(
     "linear_call",
 )
 _def_structural(
-    "holds matvec/solve jaxprs; linear algebra, so its carries keep their dtype",
+    "holds matvec/solve jaxprs: opaque, its bodies rewritten as programs of their own",
     "custom_linear_solve",
 )
 _def_structural("control flow: branch outputs must agree in dtype", "cond")
