@@ -517,17 +517,23 @@ class Emitter:
 
 
 #: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
-#: gradient), an expanding broadcast's a sum (a bias gradient). Differentiating the rewritten
-#: program (``jax.grad(rewrite(f))``) would accumulate them in half precision.
-TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim")
+#: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's
+#: whose operand broadcasts implicitly (a size-1 dimension: ``x @ w + b`` adds a ``[1, n]``
+#: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
+#: them in half precision.
+TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
 
 
 def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
-    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES or _const(rec, 0):
+    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES:
         return False
-    if eqn.primitive.name == "broadcast_in_dim":
-        return eqn.outvars[0].aval.size > eqn.invars[0].aval.size
-    return True
+    if eqn.primitive.name == "gather":
+        return not _const(rec, 0)
+    size = eqn.outvars[0].aval.size
+    return any(
+        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size < size
+        for i, a in enumerate(eqn.invars)
+    )
 
 
 def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
