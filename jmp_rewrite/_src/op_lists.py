@@ -81,6 +81,13 @@ JIT_UNIT_PREFIX = "jit:"
 # ---------------------------------------------------------------------------------------------
 # The tables. Each helper files keys under one category with a one-line reason; a key may be
 # filed only once. The classification per dtype lives in _FP16/_BF16; REASONS says why.
+#
+# A list entry's reason names its TF counterpart first ("TF MatMul/BatchMatMul: ...") or, for a
+# primitive TF has no op for, the TF op it behaves like ("no TF op: ..., like Sum"). The test
+# of these tables reads those names and checks the key's list in both dtypes against TF
+# 2.21's (float16: the CUDA lists; bfloat16: the oneDNN lists; tests/data holds them, as TF
+# ships them). Where jmp_rewrite departs from TF on purpose, _def_difference_from_tf says so,
+# with the reason; any other departure fails that test.
 # ---------------------------------------------------------------------------------------------
 
 _FP16: dict[str, str] = {}  # key -> kind, TF's CUDA fp16 lists (cuda >= 9.1, cudnn >= 8)
@@ -89,6 +96,7 @@ _REASONS: dict[str, str] = {}
 _FLOAT32_ONLY: dict[str, str] = {}
 _STRUCTURAL: dict[str, str] = {}
 _NON_FLOAT: dict[str, str] = {}
+_DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {}  # (key, dtype) -> (kind, why)
 
 
 def _file(table: dict[str, str], reason: str, keys: tuple[str, ...]) -> None:
@@ -137,6 +145,16 @@ def _def_non_float(reason: str, *keys: str) -> None:
     _file(_NON_FLOAT, reason, keys)
 
 
+def _def_difference_from_tf(dtypes: tuple[str, ...], kind: str, reason: str, *keys: str) -> None:
+    """Declares that ``keys`` are on list ``kind`` in ``dtypes`` on purpose, where TF 2.21 puts
+    their TF counterpart (the op their reason names) on another."""
+    assert reason, "every difference from TF needs a reason"
+    for key in keys:
+        for dtype in dtypes:
+            assert (key, dtype) not in _DIFFERENCES, f"{key!r} differs twice in {dtype}"
+            _DIFFERENCES[(key, dtype)] = (kind, reason)
+
+
 def _jit_units(*names: str) -> tuple[str, ...]:
     return tuple(JIT_UNIT_PREFIX + name for name in names)
 
@@ -149,7 +167,18 @@ _def_allow(
 )
 _def_allow("no TF op: grouped (MoE) matmul, a contraction like BatchMatMul", "ragged_dot_general")
 _def_allow(
-    "TF Mha/MhaV2: cuDNN fused attention (kept allow in bf16 too: it is a tensor-core op)",
+    "TF Mha/MhaV2: cuDNN fused attention",
+    "dot_product_attention_fwd",
+    "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+)
+
+_def_difference_from_tf(
+    ("bfloat16",),
+    "allow",
+    "TF's oneDNN bf16 lists have no Mha (a cuDNN op); a fused attention is a tensor-core op, "
+    "allow in bf16 as in fp16",
     "dot_product_attention_fwd",
     "dot_product_attention_bwd",
     "dot_product_attention_fwd_wrapper",
@@ -201,10 +230,12 @@ _def_deny(
     "TF Pow: x**n for n not in {-1, 2} (gelu's x**3 overflows half for |x| > 40)", "integer_pow"
 )
 _def_deny(
-    "no TF op (TF Cumprod is unlisted): a running product accumulates like Prod/Exp",
+    "no TF op (TF Cumprod is unlisted): a running product overflows like Exp",
     "cumprod",
 )
-_def_deny("no TF op: running log-sum-exp contains exp and a sum", "cumlogsumexp")
+_def_deny(
+    "no TF op: a running log-sum-exp overflows like Exp (it holds exp and a sum)", "cumlogsumexp"
+)
 _def_deny(
     "no TF op: sum a_k x**k by Horner's rule (jax >= 0.12); its x**N overflows half like "
     "TF Pow (the x**3 of tanh-GELU)",
@@ -224,14 +255,15 @@ _def_lists(
 _def_lists(
     "deny",
     "infer",
-    "accumulates many updates like Sum (embedding/gather gradients; TF's are unlisted)",
+    "no TF op (TF's scatters are unlisted): accumulates many updates like Sum "
+    "(embedding/gather gradients)",
     "scatter-add",
     "scatter-sub",
 )
 _def_lists(
     "deny",
     "infer",
-    "cross-device sum, like Sum (TF collectives are unlisted)",
+    "no TF op (TF collectives are unlisted): a cross-device sum, like Sum",
     "psum",
     "psum_invariant",
     "reduce_scatter",
@@ -278,7 +310,7 @@ _def_clear("TF IsFinite (IsInf/IsNan lower to eq/ne)", "is_finite")
 _def_clear("TF TopK/TopKV2 (sort/argsort compare only)", "sort", "top_k", "approx_top_k")
 _def_clear("no TF op: running max/min select values, like Max/Min", "cummax", "cummin")
 _def_clear(
-    "no TF op: scatter-max/min select values, like FastUnsortedSegmentMax",
+    "no TF op (TF's scatters are unlisted): scatter-max/min select values, like Maximum/Minimum",
     "scatter-max",
     "scatter-min",
 )
@@ -287,7 +319,7 @@ _def_clear("TF StopGradient/PreventGradient", "stop_gradient")
 _def_clear("TF IdentityN: an identity that only orders computation", "optimization_barrier")
 _def_clear("TF ZerosLike/OnesLike", "zeros_like")
 _def_clear(
-    "identity-like annotation (TF EnsureShape/Identity)",
+    "no TF op: an annotation that computes nothing, like EnsureShape/Identity",
     "sharding_constraint",
     "layout_constraint",
     "device_put",
@@ -295,18 +327,18 @@ _def_clear(
     "pvary",
     "pbroadcast",
 )
-_def_clear("identity that names a value for remat policies (checkpoint_name)", "name")
-_def_clear("identity that lifts a value into the trace", "stage")
-_def_clear("identity on its second operand (orders effects)", "tie")
+_def_clear("no TF op: names a value for remat policies (checkpoint_name), like Identity", "name")
+_def_clear("no TF op: lifts a value into the trace, like Identity", "stage")
+_def_clear("no TF op: an identity on its second operand (orders effects), like Identity", "tie")
 _def_clear(
-    "collective data movement, exact in any precision (like Gather/Concat)",
+    "no TF op: collective data movement, exact in any precision, like Gather/Concat",
     "all_gather",
     "all_gather_invariant",
     "all_to_all",
     "ragged_all_to_all",
     "ppermute",
 )
-_def_clear("cross-device Max/Min: selection, not accumulation", "pmax", "pmin")
+_def_clear("no TF op: cross-device max/min, selection like Max/Min", "pmax", "pmin")
 
 # --- float32 on purpose (on no list, carries floats) -------------------------------------------
 _def_float32_only(
@@ -508,6 +540,11 @@ FLOAT32_ONLY: Mapping[str, str] = types.MappingProxyType(_FLOAT32_ONLY)
 STRUCTURAL: Mapping[str, str] = types.MappingProxyType(_STRUCTURAL)
 #: Primitives that never carry floats.
 NON_FLOAT: Mapping[str, str] = types.MappingProxyType(_NON_FLOAT)
+#: ``(key, dtype) -> (list, reason)`` where a default list departs on purpose from TF 2.21's
+#: list for the key's TF counterpart (the TF op its reason names).
+DIFFERENCES_FROM_TF: Mapping[tuple[str, str], tuple[str, str]] = types.MappingProxyType(
+    _DIFFERENCES
+)
 
 #: ``integer_pow`` exponents with their own key (everything else is ``integer_pow``: TF Pow).
 INTEGER_POW_KEYS: Mapping[int, str] = types.MappingProxyType({-1: "reciprocal", 2: "square"})
