@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-newest demo lint format bench clean
+.PHONY: test test-newest demo lint format bench mutants clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check jmp_rewrite tests benchmarks
-	$(BIN)/ruff format --check jmp_rewrite tests benchmarks
+	$(BIN)/ruff check jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff format --check jmp_rewrite tests benchmarks tools
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) tests
@@ -32,13 +32,17 @@ demo: $(STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
 format: $(STAMP)
-	$(BIN)/ruff format jmp_rewrite tests benchmarks
-	$(BIN)/ruff check --fix jmp_rewrite tests benchmarks
+	$(BIN)/ruff format jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff check --fix jmp_rewrite tests benchmarks tools
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
+
+# By hand, never in CI: each mutant of tools/mutant_list.py against its tests (see README).
+mutants: $(STAMP)
+	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
 	rm -rf .venv .venv-newest .pytest_cache runs

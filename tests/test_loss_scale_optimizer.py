@@ -112,10 +112,13 @@ def test_step_sequence_sgd_momentum(jit, use_select):
     assert state.loss_scale.dtype == jnp.float32 and state.good_steps.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("use_select", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_adam_count_and_moments_do_not_advance_on_skipped_steps(jit):
+def test_adam_count_and_moments_do_not_advance_on_skipped_steps(jit, use_select):
     inner = optax.adam(0.1)
-    tx = jr.loss_scale_optimizer(inner, jr.DynamicLossScale(initial_loss_scale=8.0))
+    tx = jr.loss_scale_optimizer(
+        inner, jr.DynamicLossScale(initial_loss_scale=8.0), use_select=use_select
+    )
     update = maybe_jit(jit)(tx.update)
     params, state = PARAMS, tx.init(PARAMS)
     ref_params, ref_state = PARAMS, inner.init(PARAMS)

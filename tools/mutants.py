@@ -1,0 +1,236 @@
+"""Mutation testing, by hand: does the suite catch realistic bugs in ``jmp_rewrite/_src``?
+
+Each mutant of :data:`tools.mutant_list.MUTANTS` is one small change to one line of the
+library (a ``<`` for a ``<=``, an ``any`` for an ``all``, a rule dropped) with the tests that
+should catch it. The script copies the work tree (tracked and untracked files, not ignored
+ones) to a temporary folder, applies one mutant at a time there, runs that mutant's tests
+(``pytest -x -q -p no:cacheprovider``, hypothesis' derandomized ``ci`` profile) and reports
+each mutant as
+
+* ``caught``: a test failed (or timed out);
+* ``survived``: every test passed -- a bug the suite would let through. A mutant expected
+  to survive (``survives=`` in the list: an equivalent change, or one no test can see) is
+  listed with its explanation;
+* ``stale``: its original text no longer occurs exactly once in the source (the list needs
+  updating; ``tests/test_mutant_list.py`` fails too);
+* ``error``: pytest could not run its tests (a test id that no longer exists...).
+
+The work tree itself is never modified. The score is ``caught / (caught + survived)``.
+The summary goes to standard output and, as Markdown, to ``--out``. The exit status is
+nonzero only when the script itself fails or a mutant is stale or in error.
+
+Usage (from the repository root; it is not part of ``make test``)::
+
+    .venv/bin/python tools/mutants.py                  # every mutant (~15 min on 2 cores)
+    .venv/bin/python tools/mutants.py -k 'loss_scale|emit'   # names matching a regex
+    .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
+    .venv/bin/python tools/mutants.py --check          # snippets still match? nothing run
+    # the score of an older suite on today's source: its tests/ at a commit, whole files
+    .venv/bin/python tools/mutants.py --tests-at e6aebb2 --whole-files
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.mutant_list import MUTANTS, Mutant  # noqa: E402
+
+PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0")
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutant: Mutant
+    status: str  # caught | survived | stale | error
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def occurrences(text: str, snippet: str) -> int:
+    return text.count(snippet)
+
+
+def stale_reason(mutant: Mutant, root: pathlib.Path) -> str:
+    """Why a mutant cannot be applied to the source under ``root`` ("" if it can)."""
+    path = root / mutant.file
+    if not path.is_file():
+        return f"{mutant.file} does not exist"
+    n = occurrences(path.read_text(), mutant.original)
+    if n != 1:
+        return f"original text occurs {n} times in {mutant.file} (expected once)"
+    return ""
+
+
+def copy_tree(dest: pathlib.Path, tests_at: str | None) -> None:
+    """The work tree's tracked and untracked (not ignored) files, copied to ``dest``; with
+    ``tests_at``, ``tests/`` is replaced by the one at that commit."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted but still tracked
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    if tests_at:
+        shutil.rmtree(dest / "tests", ignore_errors=True)
+        archive = subprocess.run(
+            ["git", "archive", tests_at, "tests"], cwd=ROOT, check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+
+
+def targets(mutant: Mutant, root: pathlib.Path, whole_files: bool) -> list[str]:
+    """The pytest arguments for a mutant: its test ids, or the files holding them."""
+    if not whole_files:
+        return list(mutant.tests)
+    files = []
+    for test in mutant.tests:
+        file = test.split("::")[0]
+        if file not in files and (root / file).is_file():
+            files.append(file)
+    return files
+
+
+def run_mutant(
+    mutant: Mutant, root: pathlib.Path, whole_files: bool, timeout: float, python: str
+) -> Outcome:
+    reason = stale_reason(mutant, root)
+    if reason:
+        return Outcome(mutant, "stale", detail=reason)
+    args = targets(mutant, root, whole_files)
+    if not args:
+        return Outcome(mutant, "survived", detail="none of its test files exist")
+    path = root / mutant.file
+    original = path.read_text()
+    path.write_text(original.replace(mutant.original, mutant.replacement))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "HYPOTHESIS_PROFILE": "ci",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [python, "-m", "pytest", *PYTEST_ARGS, *args],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome(mutant, "caught", time.monotonic() - start, "timed out")
+    finally:
+        path.write_text(original)
+    seconds = time.monotonic() - start
+    tail = proc.stdout.strip().splitlines()[-1:] or [""]
+    if proc.returncode == 0:
+        return Outcome(mutant, "survived", seconds, tail[0])
+    if proc.returncode == 1:
+        failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED")]
+        return Outcome(mutant, "caught", seconds, (failed or tail)[0])
+    return Outcome(mutant, "error", seconds, f"pytest exit {proc.returncode}: {tail[0]}")
+
+
+def summary(outcomes: list[Outcome], title: str) -> str:
+    counts = {s: sum(o.status == s for o in outcomes) for s in ("caught", "survived", "stale")}
+    errors = sum(o.status == "error" for o in outcomes)
+    ran = counts["caught"] + counts["survived"]
+    score = 100.0 * counts["caught"] / ran if ran else 0.0
+    lines = [
+        f"# {title}",
+        "",
+        f"**{counts['caught']} of {ran} mutants caught ({score:.1f}%)**; "
+        f"{counts['stale']} stale, {errors} in error.",
+        "",
+        "| mutant | file | status | seconds | detail |",
+        "|---|---|---|---:|---|",
+    ]
+    for o in outcomes:
+        detail = o.detail.replace("|", "\\|")[:120]
+        lines.append(
+            f"| {o.mutant.name} | {o.mutant.file.rsplit('/', 1)[-1]} | {o.status} | "
+            f"{o.seconds:.0f} | {detail} |"
+        )
+    survivors = [o for o in outcomes if o.status == "survived"]
+    if survivors:
+        lines += ["", "## Survivors", ""]
+        for o in survivors:
+            why = o.mutant.survives or "UNEXPLAINED: add a test, or explain it in the list"
+            lines.append(f"* **{o.mutant.name}** ({o.mutant.bug}): {why}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "-k", dest="select", default="", help="only mutants whose name matches this regex"
+    )
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="only check the snippets")
+    parser.add_argument("--tests-at", help="run tests/ as of this git revision")
+    parser.add_argument(
+        "--whole-files", action="store_true", help="run each mutant's whole test files"
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
+    parser.add_argument("--python", default=sys.executable, help="interpreter running pytest")
+    parser.add_argument("--out", default="runs/mutants.md", help="Markdown summary file")
+    args = parser.parse_args(argv)
+
+    mutants = [m for m in MUTANTS if re.search(args.select, m.name)]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:40} {m.file:40} {m.bug}")
+        return 0
+    if args.check:
+        stale = [(m, stale_reason(m, ROOT)) for m in mutants]
+        stale = [(m, r) for m, r in stale if r]
+        for m, reason in stale:
+            print(f"stale: {m.name}: {reason}")
+        print(f"{len(mutants) - len(stale)} of {len(mutants)} mutants apply")
+        return 1 if stale else 0
+
+    outcomes = []
+    with tempfile.TemporaryDirectory(prefix="jmp-mutants-") as tmp:
+        root = pathlib.Path(tmp)
+        copy_tree(root, args.tests_at)
+        for i, mutant in enumerate(mutants, 1):
+            outcome = run_mutant(mutant, root, args.whole_files, args.timeout, args.python)
+            outcomes.append(outcome)
+            print(
+                f"[{i}/{len(mutants)}] {outcome.status:8} {mutant.name} "
+                f"({outcome.seconds:.0f}s) {outcome.detail[:100]}",
+                flush=True,
+            )
+    scope = "whole test files" if args.whole_files else "targeted tests"
+    suite = f"tests/ at {args.tests_at}" if args.tests_at else "the work tree's tests"
+    text = summary(outcomes, f"Mutation score: {suite}, {scope}")
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    bad = [o for o in outcomes if o.status in ("stale", "error")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
