@@ -15,6 +15,9 @@ each mutant as
   updating; ``tests/test_mutant_list.py`` fails too);
 * ``error``: pytest could not run its tests (a test id that no longer exists...).
 
+First, unless ``--no-baseline``, the selected mutants' tests run once on the unmutated copy:
+a test failing there would count every mutant it targets as caught, so the script stops.
+
 The work tree itself is never modified. The score is ``caught / (caught + survived)``.
 The summary goes to standard output and, as Markdown, to ``--out``. The exit status is
 nonzero only when the script itself fails or a mutant is stale or in error.
@@ -25,8 +28,9 @@ Usage (from the repository root; it is not part of ``make test``)::
     .venv/bin/python tools/mutants.py -k 'loss_scale|emit'   # names matching a regex
     .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
     .venv/bin/python tools/mutants.py --check          # snippets still match? nothing run
-    # the score of an older suite on today's source: its tests/ at a commit, whole files
-    .venv/bin/python tools/mutants.py --tests-at e6aebb2 --whole-files
+    # the score of an older suite on today's source: its tests/ at a commit, the whole
+    # files the mutants name and, for each module, the files that test it (BROAD)
+    .venv/bin/python tools/mutants.py --tests-at e6aebb2 --broad
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.mutant_list import MUTANTS, Mutant  # noqa: E402
+from tools.mutant_list import BROAD, MUTANTS, Mutant  # noqa: E402
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0")
 
@@ -97,46 +101,67 @@ def copy_tree(dest: pathlib.Path, tests_at: str | None) -> None:
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
 
 
-def targets(mutant: Mutant, root: pathlib.Path, whole_files: bool) -> list[str]:
-    """The pytest arguments for a mutant: its test ids, or the files holding them."""
+def targets(mutant: Mutant, root: pathlib.Path, whole_files: bool, broad: bool) -> list[str]:
+    """The pytest arguments for a mutant: its test ids, or the files holding them (then,
+    with ``broad``, the module's broad files too: :data:`tools.mutant_list.BROAD`)."""
     if not whole_files:
         return list(mutant.tests)
     files = []
-    for test in mutant.tests:
-        file = test.split("::")[0]
+    wanted = [t.split("::")[0] for t in mutant.tests]
+    for file in [*wanted, *(BROAD.get(mutant.file, ()) if broad else ())]:
         if file not in files and (root / file).is_file():
             files.append(file)
     return files
 
 
-def run_mutant(
-    mutant: Mutant, root: pathlib.Path, whole_files: bool, timeout: float, python: str
-) -> Outcome:
-    reason = stale_reason(mutant, root)
-    if reason:
-        return Outcome(mutant, "stale", detail=reason)
-    args = targets(mutant, root, whole_files)
-    if not args:
-        return Outcome(mutant, "survived", detail="none of its test files exist")
-    path = root / mutant.file
-    original = path.read_text()
-    path.write_text(original.replace(mutant.original, mutant.replacement))
+def pytest(root: pathlib.Path, args: list[str], python: str, timeout: float):
     env = {
         **os.environ,
         "PYTHONPATH": str(root),
         "HYPOTHESIS_PROFILE": "ci",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
+    return subprocess.run(
+        [python, "-m", "pytest", *PYTEST_ARGS, *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def baseline(mutants: list[Mutant], root: pathlib.Path, args: argparse.Namespace) -> str:
+    """Runs every selected mutant's tests on the unmutated copy: "" if they pass, else the
+    failures (a failing test would count every mutant it targets as caught)."""
+    union: list[str] = []
+    for m in mutants:
+        if not stale_reason(m, root):
+            for t in targets(m, root, args.whole_files or args.broad, args.broad):
+                if t not in union:
+                    union.append(t)
+    if not union:
+        return ""
+    proc = pytest(root, union, args.python, 4 * args.timeout)
+    if proc.returncode == 0:
+        return ""
+    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return "\n".join(failed or proc.stdout.strip().splitlines()[-5:])
+
+
+def run_mutant(mutant: Mutant, root: pathlib.Path, args: argparse.Namespace) -> Outcome:
+    reason = stale_reason(mutant, root)
+    if reason:
+        return Outcome(mutant, "stale", detail=reason)
+    test_args = targets(mutant, root, args.whole_files or args.broad, args.broad)
+    if not test_args:
+        return Outcome(mutant, "survived", detail="none of its test files exist")
+    path = root / mutant.file
+    original = path.read_text()
+    path.write_text(original.replace(mutant.original, mutant.replacement))
     start = time.monotonic()
     try:
-        proc = subprocess.run(
-            [python, "-m", "pytest", *PYTEST_ARGS, *args],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        proc = pytest(root, test_args, args.python, args.timeout)
     except subprocess.TimeoutExpired:
         return Outcome(mutant, "caught", time.monotonic() - start, "timed out")
     finally:
@@ -191,6 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--whole-files", action="store_true", help="run each mutant's whole test files"
     )
+    parser.add_argument(
+        "--broad",
+        action="store_true",
+        help="whole files plus the module's broad test files (tools/mutant_list.BROAD)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the check that the mutants' tests pass on the unmutated copy",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     parser.add_argument("--python", default=sys.executable, help="interpreter running pytest")
     parser.add_argument("--out", default="runs/mutants.md", help="Markdown summary file")
@@ -213,15 +248,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="jmp-mutants-") as tmp:
         root = pathlib.Path(tmp)
         copy_tree(root, args.tests_at)
+        if not args.no_baseline:
+            print("baseline: the mutants' tests on the unmutated copy ...", flush=True)
+            start = time.monotonic()
+            failures = baseline(mutants, root, args)
+            print(f"baseline: {time.monotonic() - start:.0f}s", flush=True)
+            if failures:
+                print(f"the unmutated copy fails its tests; no mutant run:\n{failures}")
+                return 1
         for i, mutant in enumerate(mutants, 1):
-            outcome = run_mutant(mutant, root, args.whole_files, args.timeout, args.python)
+            outcome = run_mutant(mutant, root, args)
             outcomes.append(outcome)
             print(
                 f"[{i}/{len(mutants)}] {outcome.status:8} {mutant.name} "
                 f"({outcome.seconds:.0f}s) {outcome.detail[:100]}",
                 flush=True,
             )
-    scope = "whole test files" if args.whole_files else "targeted tests"
+    scope = (
+        "whole test files and the module's broad files"
+        if args.broad
+        else "whole test files"
+        if args.whole_files
+        else "targeted tests"
+    )
     suite = f"tests/ at {args.tests_at}" if args.tests_at else "the work tree's tests"
     text = summary(outcomes, f"Mutation score: {suite}, {scope}")
     out = ROOT / args.out
