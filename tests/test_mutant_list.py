@@ -57,8 +57,10 @@ def test_mutant_applies_once_and_names_existing_tests(mutant):
 def test_mutated_sources_still_parse():
     """A mutant is a bug, not a syntax error: the mutated module must still compile."""
     for m in MUTANTS:
-        source = (ROOT / m.file).read_text().replace(m.original, m.replacement)
-        compile(source, m.file, "exec")
+        original = (ROOT / m.file).read_text()
+        mutated = original.replace(m.original, m.replacement)
+        assert mutated != original, m.name
+        compile(mutated, m.file, "exec")  # a SyntaxError fails the test
 
 
 def test_the_script_checks_the_list():
