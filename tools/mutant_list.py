@@ -38,29 +38,6 @@ T_LSO = "tests/test_loss_scale_optimizer.py::"
 T_NUM = "tests/test_numerics.py::"
 
 
-#: With ``tools/mutants.py --broad``: the test files run for every mutant of a module, after
-#: its own (to score a suite whose tests do not target the mutants, e.g. an older one).
-_REWRITE_FILES = (
-    "tests/test_rewrite.py",
-    "tests/test_tf_patterns.py",
-    "tests/test_numerics.py",
-    "tests/test_invariants.py",
-    "tests/test_op_lists.py",
-    "tests/test_user_models_numerics.py",
-)
-_LOSS_SCALE_FILES = (
-    "tests/test_loss_scale.py",
-    "tests/test_loss_scale_optimizer.py",
-    "tests/test_train_step.py",
-)
-BROAD: dict[str, tuple[str, ...]] = {
-    **{_SRC + m: _REWRITE_FILES for m in ("paint.py", "graph.py", "emit.py", "higher_order.py")},
-    _SRC + "op_lists.py": _REWRITE_FILES,
-    _SRC + "loss_scale.py": _LOSS_SCALE_FILES,
-    _SRC + "loss_scale_optimizer.py": _LOSS_SCALE_FILES,
-}
-
-
 def _m(name, file, original, replacement, tests, bug, survives=""):
     tests = (tests,) if isinstance(tests, str) else tuple(tests)
     return Mutant(name, _SRC + file, original, replacement, tests, bug, survives)

@@ -49,7 +49,33 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.mutant_list import BROAD, MUTANTS, Mutant  # noqa: E402
+from tools.mutant_list import MUTANTS, Mutant  # noqa: E402
+
+#: With ``tools/mutants.py --broad``: the test files run for every mutant of a module, after
+#: its own (to score a suite whose tests do not target the mutants, e.g. an older one).
+_REWRITE_FILES = (
+    "tests/test_rewrite.py",
+    "tests/test_tf_patterns.py",
+    "tests/test_numerics.py",
+    "tests/test_invariants.py",
+    "tests/test_op_lists.py",
+    "tests/test_user_models_numerics.py",
+)
+_LOSS_SCALE_FILES = (
+    "tests/test_loss_scale.py",
+    "tests/test_loss_scale_optimizer.py",
+    "tests/test_train_step.py",
+)
+BROAD: dict[str, tuple[str, ...]] = {
+    **{
+        "jmp_rewrite/_src/" + m: _REWRITE_FILES
+        for m in ("paint.py", "graph.py", "emit.py", "higher_order.py")
+    },
+    "jmp_rewrite/_src/" + "op_lists.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/" + "loss_scale.py": _LOSS_SCALE_FILES,
+    "jmp_rewrite/_src/" + "loss_scale_optimizer.py": _LOSS_SCALE_FILES,
+}
+
 
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "0")
 
@@ -103,7 +129,7 @@ def copy_tree(dest: pathlib.Path, tests_at: str | None) -> None:
 
 def targets(mutant: Mutant, root: pathlib.Path, whole_files: bool, broad: bool) -> list[str]:
     """The pytest arguments for a mutant: its test ids, or the files holding them (then,
-    with ``broad``, the module's broad files too: :data:`tools.mutant_list.BROAD`)."""
+    with ``broad``, the module's broad files too: :data:`BROAD`)."""
     if not whole_files:
         return list(mutant.tests)
     files = []
@@ -219,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--broad",
         action="store_true",
-        help="whole files plus the module's broad test files (tools/mutant_list.BROAD)",
+        help="whole files plus the module's broad test files (BROAD)",
     )
     parser.add_argument(
         "--no-baseline",
