@@ -24,7 +24,8 @@ nonzero only when the script itself fails or a mutant is stale or in error.
 
 Usage (from the repository root; it is not part of ``make test``)::
 
-    .venv/bin/python tools/mutants.py                  # every mutant (~15 min on 2 cores)
+    .venv/bin/python tools/mutants.py                  # every mutant (~20 min on 2 cores)
+    .venv/bin/python tools/mutants.py -j 2             # two at a time (two copies)
     .venv/bin/python tools/mutants.py -k 'loss_scale|emit'   # names matching a regex
     .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
     .venv/bin/python tools/mutants.py --check          # snippets still match? nothing run
@@ -36,11 +37,14 @@ Usage (from the repository root; it is not part of ``make test``)::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,16 +60,10 @@ from tools.mutant_list import MUTANTS, Mutant  # noqa: E402
 _REWRITE_FILES = (
     "tests/test_rewrite.py",
     "tests/test_tf_patterns.py",
-    "tests/test_numerics.py",
     "tests/test_invariants.py",
     "tests/test_op_lists.py",
-    "tests/test_user_models_numerics.py",
 )
-_LOSS_SCALE_FILES = (
-    "tests/test_loss_scale.py",
-    "tests/test_loss_scale_optimizer.py",
-    "tests/test_train_step.py",
-)
+_LOSS_SCALE_FILES = ("tests/test_loss_scale.py", "tests/test_loss_scale_optimizer.py")
 BROAD: dict[str, tuple[str, ...]] = {
     **{
         "jmp_rewrite/_src/" + m: _REWRITE_FILES
@@ -140,21 +138,41 @@ def targets(mutant: Mutant, root: pathlib.Path, whole_files: bool, broad: bool) 
     return files
 
 
+_RUNNING: set[subprocess.Popen] = set()  # pytest processes to stop if the script is stopped
+
+
 def pytest(root: pathlib.Path, args: list[str], python: str, timeout: float):
+    """``python -m pytest args`` in ``root`` (its own process group, killed on timeout or
+    when the script stops). Raises ``subprocess.TimeoutExpired``."""
     env = {
         **os.environ,
         "PYTHONPATH": str(root),
         "HYPOTHESIS_PROFILE": "ci",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    return subprocess.run(
+    proc = subprocess.Popen(
         [python, "-m", "pytest", *PYTEST_ARGS, *args],
         cwd=root,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
+    _RUNNING.add(proc)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    finally:
+        _stop(proc)
+        _RUNNING.discard(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def baseline(mutants: list[Mutant], root: pathlib.Path, args: argparse.Namespace) -> str:
@@ -252,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the check that the mutants' tests pass on the unmutated copy",
     )
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="mutants run at once")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     parser.add_argument("--python", default=sys.executable, help="interpreter running pytest")
     parser.add_argument("--out", default="runs/mutants.md", help="Markdown summary file")
@@ -270,26 +289,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(mutants) - len(stale)} of {len(mutants)} mutants apply")
         return 1 if stale else 0
 
-    outcomes = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    outcomes: dict[str, Outcome] = {}
+    jobs = max(1, args.jobs)
     with tempfile.TemporaryDirectory(prefix="jmp-mutants-") as tmp:
-        root = pathlib.Path(tmp)
-        copy_tree(root, args.tests_at)
+        roots = [pathlib.Path(tmp) / f"tree{i}" for i in range(jobs)]
+        for root in roots:  # one copy per job: a mutant is applied to its own copy
+            copy_tree(root, args.tests_at)
         if not args.no_baseline:
             print("baseline: the mutants' tests on the unmutated copy ...", flush=True)
             start = time.monotonic()
-            failures = baseline(mutants, root, args)
+            failures = baseline(mutants, roots[0], args)
             print(f"baseline: {time.monotonic() - start:.0f}s", flush=True)
             if failures:
                 print(f"the unmutated copy fails its tests; no mutant run:\n{failures}")
                 return 1
-        for i, mutant in enumerate(mutants, 1):
-            outcome = run_mutant(mutant, root, args)
-            outcomes.append(outcome)
-            print(
-                f"[{i}/{len(mutants)}] {outcome.status:8} {mutant.name} "
-                f"({outcome.seconds:.0f}s) {outcome.detail[:100]}",
-                flush=True,
-            )
+        free = list(roots)
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+
+            def work(mutant: Mutant) -> Outcome:
+                root = free.pop()
+                try:
+                    return run_mutant(mutant, root, args)
+                finally:
+                    free.append(root)
+
+            futures = [pool.submit(work, m) for m in mutants]
+            try:
+                for done in concurrent.futures.as_completed(futures):
+                    outcome = done.result()
+                    outcomes[outcome.mutant.name] = outcome
+                    print(
+                        f"[{len(outcomes)}/{len(mutants)}] {outcome.status:8} "
+                        f"{outcome.mutant.name} ({outcome.seconds:.0f}s) "
+                        f"{outcome.detail[:100]}",
+                        flush=True,
+                    )
+            except BaseException:  # stopped (Ctrl-C, SIGTERM): stop the tests too
+                for future in futures:
+                    future.cancel()
+                for proc in list(_RUNNING):
+                    _stop(proc)
+                raise
+    ordered = [outcomes[m.name] for m in mutants]
     scope = (
         "whole test files and the module's broad files"
         if args.broad
@@ -298,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         else "targeted tests"
     )
     suite = f"tests/ at {args.tests_at}" if args.tests_at else "the work tree's tests"
-    text = summary(outcomes, f"Mutation score: {suite}, {scope}")
+    text = summary(ordered, f"Mutation score: {suite}, {scope}")
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
-    bad = [o for o in outcomes if o.status in ("stale", "error")]
+    bad = [o for o in ordered if o.status in ("stale", "error")]
     return 1 if bad else 0
 
 
