@@ -39,6 +39,29 @@ class Model:
 
 
 NOT_A_FUNCTION = 3
+
+
+def readme_loss(params, x, y):
+    import jax, optax
+    h = jax.nn.relu(x @ params["w1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
+
+
+def example():
+    params = {"w1": jnp.full((16, 32), 0.05), "w2": jnp.full((32, 8), 0.05)}
+    return readme_loss, (params, jnp.ones((4, 16)), jnp.arange(4))
+
+
+def example_kwargs():
+    return lambda w, *, x: (x @ w).sum(), (jnp.ones((8, 8)),), {"x": jnp.ones((2, 8))}
+
+
+def example_overflow():
+    return lambda w, x: jnp.sum((x @ w) * 1e3), (jnp.ones((64, 64)), jnp.ones((4, 64)))
+
+
+def not_a_pair():
+    return loss
 """
 
 
@@ -205,7 +228,7 @@ def test_help(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    assert "demo" in text and "explain" in text
+    assert "demo" in text and "explain" in text and "compare" in text and "--factory" in text
 
 
 def test_demo_help_lists_options(capsys):
@@ -312,6 +335,39 @@ def test_explain_summary_level_and_dotted_attribute(user_module, capsys):
 def test_explain_file_path_target(user_module, capsys):
     assert cli.main(["explain", f"{user_module}.py:no_matmul", "--shapes", "f32[3]"]) == 0
     assert "no allowlist op: unchanged" in capsys.readouterr().out
+
+
+def test_explain_factory_describes_functions_of_pytrees(user_module, capsys):
+    """The README's loss(params, x, y) with dict params: --shapes cannot say it, a factory can."""
+    assert cli.main(["explain", "--factory", f"{user_module}:example", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "dtype: float16" in out and "FLOPs in half precision: 100.0%" in out
+    assert cli.main(["explain", "--factory", f"{user_module}:example_kwargs", "--summary"]) == 0
+    assert "FLOPs in half precision: 100.0%" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--factory", "{m}:not_a_pair"], "must return (fn, args) or (fn, args, kwargs)"),
+        (["--factory", "{m}:NOT_A_FUNCTION"], "is not callable"),
+        (["{m}:loss", "--factory", "{m}:example"], "--factory gives the function"),
+        ([], "name MODULE:FUNCTION (with --shapes) or --factory"),
+    ],
+)
+def test_explain_factory_errors(user_module, args, message, capsys):
+    assert cli.main(["explain", *(a.format(m=user_module) for a in args)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_prints_errors_and_suggestions(user_module, capsys):
+    args = ["compare", "--factory", f"{user_module}:example_overflow", "--json"]
+    assert cli.main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dtype"] == "float16" and data["equations"]
+    assert cli.main(["compare", f"{user_module}:loss", "--shapes", "f32[8,16],f32[4,8]"]) == 0
+    out = capsys.readouterr().out
+    assert "dot_general" in out and "rel" in out.lower()
 
 
 def test_explain_subprocess_imports_from_cwd(tmp_path):
