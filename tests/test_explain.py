@@ -1,5 +1,6 @@
 """explain(): the per-equation report, totals, casts, and its three renderings."""
 
+import html
 import json
 
 import jax
@@ -172,3 +173,16 @@ def test_a_rewritten_function_called_inside_is_noted():
 def test_bad_dtype():
     with pytest.raises(ValueError, match="bfloat16"):
         jr.explain(loss, [W1, W2], X, dtype=np.float64)
+
+
+def test_html_explains_lists_colours_and_each_reason_in_words():
+    from jmp_rewrite._src.explain_html import LIST_MEANINGS
+
+    page = jr.explain(loss, [W1, W2], X, dtype=jnp.float16).to_html()
+    assert "Legend: lists and colours" in page
+    for meaning in LIST_MEANINGS.values():
+        assert html.escape(meaning) in page
+    # The reason is a cell of its own, not only a hover title.
+    assert "<td>on the allow list</td>" in page and "<td>between half-precision ops</td>" in page
+    off = jr.explain(loss, [W1, W2], X).to_html()  # rewrite off on CPU: says why, no table
+    assert "rewrite off (runs unchanged)" in off and "<table" not in off

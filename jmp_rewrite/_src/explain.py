@@ -18,21 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_rewrite._src import explain_view, source_info
+from jmp_rewrite._src import explain_html, explain_view, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
+from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_float, walk_scopes
-
-#: Colours of the HTML report, one per list (and a strong tint for half precision).
-LIST_COLOURS = {
-    "allow": "#b7e1a1",
-    "infer": "#fff2a8",
-    "deny": "#f4a6a6",
-    "clear": "#cfe2f3",
-    "unlisted": "#e6e6e6",
-}
-HALF_COLOUR = "#6aa84f"
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -295,9 +286,10 @@ class Report:
         """The report as an HTML fragment (what a notebook displays).
 
         Returns:
-          Self-contained HTML (its own scoped ``<style>``): the totals per phase, the lint,
-          and a collapsible tree by scope (``<details>``) with every equation, its list
-          colour, the pass that painted it on hover and its source line. Wrap it in
+          Self-contained HTML (its own scoped ``<style>``): the totals per phase, a legend
+          of the lists and colours, the lint, and a collapsible tree by scope
+          (``<details>``) with every equation, its list colour, its precision, the reason
+          in words (the pass's name on hover) and its source line. Wrap it in
           ``<html><body>...</body></html>`` for a stand-alone page.
 
         Example:
@@ -308,7 +300,7 @@ class Report:
           >>> r.to_html().count('<tr class="eq"') == len(r.equations)
           True
         """
-        return explain_view.to_html(self)
+        return explain_html.to_html(self)
 
     def _repr_html_(self) -> str:
         return self.to_html()
