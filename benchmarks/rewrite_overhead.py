@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     only = set(args.only or ("transformer", "resnet", "chain"))
 
     print(
-        f"jax {jax.__version__}, jmp_rewrite {jmp_rewrite.__version__}, "
+        f"measured {machine()}: jax {jax.__version__}, jmp_rewrite {jmp_rewrite.__version__}, "
         f"{jax.devices()[0].platform}, {args.dtype}, repeats={args.repeats}"
     )
     results: dict[str, dict[str, Any]] = {}
