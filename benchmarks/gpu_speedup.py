@@ -4,7 +4,8 @@ The one command a GPU session runs (from the repository root; about 9 minutes at
 script stops starting new work after ``--budget-s`` and writes the JSON after every variant,
 so a run cut short still leaves every finished figure)::
 
-    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
+    make .venv/.installed && .venv/bin/pip install -q "jax[cuda12]"
+    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 .venv/bin/python benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
 
 (``$OUT`` is the device tool's output folder; elsewhere use any path. ``--models gpt`` or
 ``--variants f32 rw-bf16 hand-bf16`` reruns a part; ``--tf32`` adds float32 with TF32 matmuls,

@@ -37,6 +37,8 @@ VARIANTS = (
 )
 HALF = ("rw-bf16", "rw-bf16-cuda-lists", "hand-bf16", "rw-f16-lso", "rw-f16-lso-select")
 FLOAT32 = ("f32", "f32-tf32")
+# A script over the public API: `make test` runs it, `make test-newest` need not.
+pytestmark = pytest.mark.once
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,7 @@ def test_readme_has_python_blocks():
     assert len(skipped) <= len(BLOCKS) // 2, "skip markers are for the exception"
 
 
+@pytest.mark.once  # public API only: `make test` runs it, `make test-newest` need not
 @pytest.mark.parametrize("block", BLOCKS, ids=[_block_id(b) for b in BLOCKS])
 def test_readme_block_runs(block, tmp_path):
     if block.skip:

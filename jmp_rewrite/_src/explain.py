@@ -171,7 +171,10 @@ class Report:
         share, total, region = self.half_flops_share, self.matmul_flops, self.region_flops
         if share is None:
             return "none (no matmul or convolution)"
-        words = f"{100 * share:.1f}% of {total:,}"
+        pct = f"{100 * share:.1f}"
+        if pct == "100.0" and share < 1:  # not all of it: say how much is missing
+            pct = f"{100 * share:.3f}".rstrip("0")
+        words = f"{pct}% of {total:,}"
         if region:
             words += f" ({region:,} in float32 regions, float32 on request)"
         return words
