@@ -55,7 +55,7 @@ def smoke(tmp_path_factory) -> tuple[dict, str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,  # a hang guard only: no test depends on how fast the machine is
         check=False,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"

@@ -165,7 +165,7 @@ def test_readme_block_runs(block, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,  # a hang guard only: no test depends on how fast the machine is
     )
     assert proc.returncode == 0, (
         f"README.md:{block.line} ({block.heading}) failed:\n{proc.stdout[-2000:]}\n"
