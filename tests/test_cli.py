@@ -384,7 +384,11 @@ def test_explain_subprocess_imports_from_cwd(tmp_path):
         ("{m}:", "f32[2]", "expected MODULE:FUNCTION"),
         ("no_such_module_xyz:f", "f32[2]", "cannot import module 'no_such_module_xyz'"),
         ("missing_file_xyz.py:f", "f32[2]", "no such file: missing_file_xyz.py"),
-        ("{m}:lost", "f32[2]", "has no attribute 'lost'; callables there: Model, loss"),
+        (
+            "{m}:lost",
+            "f32[2]",
+            "has no attribute 'lost'; callables there: Model, example, ",
+        ),
         ("{m}:Model.fit", "f32[2]", "{m}:Model has no attribute 'fit'"),
         ("{m}:NOT_A_FUNCTION", "f32[2]", "{m}:NOT_A_FUNCTION is not callable: 3 (int)"),
         ("{m}:loss", "f32[8,x]", "bad dimension 'x' in 'f32[8,x]'"),

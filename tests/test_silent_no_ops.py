@@ -39,6 +39,9 @@ def test_rewrite_off_on_cpu_says_so_once_with_the_reason():
         warnings.simplefilter("error")
         fn(W, X)  # once per function and reason
         jax.jit(fn)(W, X + 1)
+    with pytest.warns(jr.RewriteOffWarning) as record:
+        jax.jit(jr.rewrite(layer))(W, X)  # under jit: still the caller's line, not JAX's
+    assert record[0].filename == __file__
 
 
 def test_rewrite_off_after_enable_without_dtype_says_why():

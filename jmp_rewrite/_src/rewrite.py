@@ -14,6 +14,7 @@ import contextvars
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +69,27 @@ def validate_dtype(dtype: Any) -> np.dtype | None:
     if dt not in HALF_DTYPES:
         raise ValueError(f"dtype must be {_ALLOWED_DTYPES_MSG}; got {dtype!r}")
     return dt
+
+
+# Frames of these packages (and of Python's wrappers) are not where a user calls from.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (jax, np, sys.modules["jmp_rewrite"], sys.modules.get("jaxlib", jax))
+)
+_LIBRARY_FILES = frozenset(os.path.abspath(m.__file__) for m in (functools, contextlib))
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or filename in _LIBRARY_FILES
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from its caller, of the innermost frame outside JAX,
+    NumPy and jmp_rewrite: the user's call, under ``jax.jit`` too."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 class RewriteOffWarning(UserWarning):
@@ -296,7 +318,7 @@ class _RewrittenFunction:
             warnings.warn(
                 f"rewrite({self._name}) runs unchanged: {s.off_reason}",
                 RewriteOffWarning,
-                stacklevel=4,  # the caller of the rewritten function
+                stacklevel=_user_stacklevel(),
             )
         return resolve_config(s.dtype, s.lists, s.level, s.infer_follows_allow)
 
