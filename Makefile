@@ -6,29 +6,61 @@ VENV ?= .venv
 NEWEST_PYTHON ?= $(shell .ci/newest_python)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_WORKERS ?= 2
+comma := ,
+# Extra pytest arguments (e.g. make test PYTEST_ARGS="-k explain").
+PYTEST_ARGS ?=
+# jmp_rewrite needs Python >= 3.11: an interpreter older than that is refused with its version.
+PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 
-.PHONY: test test-newest demo lint format bench clean
+# A $(VENV) whose interpreter is gone or older than 3.11 (made by an old python3 before) is
+# stale whatever its stamps say: its stamps are rebuilt, and the recipe below remakes it.
+ifneq ($(wildcard $(VENV)),)
+ifneq ($(shell $(BIN)/python -c '$(PY_OK)' 2>/dev/null && echo ok),ok)
+.PHONY: $(STAMP) $(DEMO_STAMP)
+endif
+endif
+
+# $(call venv,EXTRAS): (re)make $(VENV) with a good interpreter, then install '.[EXTRAS]'.
+define venv
+	@$(PYTHON) -c '$(PY_OK)' || { echo "$(PYTHON) is $$($(PYTHON) -V 2>&1); jmp_rewrite \
+	needs >= 3.11: run make PYTHON=python3.11 (or newer)"; exit 1; }
+	@$(BIN)/python -c '$(PY_OK)' 2>/dev/null || { rm -rf $(VENV) && \
+	echo "Creating $(VENV) with $(PYTHON)" && $(PYTHON) -m venv $(VENV); }
+	@echo "Installing jmp_rewrite[$(1)] into $(VENV) (first use only; a minute or two)"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(1)]'
+endef
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,demo]'
-	touch $(STAMP)
+	$(call venv,test$(comma)demo)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	$(call venv,demo)
+	touch $(DEMO_STAMP)
+
+.PHONY: test test-newest demo lint format bench figures clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check jmp_rewrite tests benchmarks
 	$(BIN)/ruff format --check jmp_rewrite tests benchmarks
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) tests
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
 	if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --nbmake notebooks; fi
 
+# The other end of the range runs the library's tests only. Lint, the notebooks and the tests
+# marked `once` (README blocks, each in a fresh interpreter; the GPU benchmark's smoke run)
+# use only the public API, whose version-specific parts (_jax_compat.py, higher_order.py) the
+# library's tests check at both ends: they run once, in `make test`. CI (.ci/run) runs both.
 test-newest:
-	$(MAKE) test VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	$(MAKE) .venv-newest/.installed VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	.venv-newest/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not once" $(PYTEST_ARGS) tests
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
 format: $(STAMP)

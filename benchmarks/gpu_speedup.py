@@ -4,12 +4,15 @@ The one command a GPU session runs (from the repository root; about 9 minutes at
 script stops starting new work after ``--budget-s`` and writes the JSON after every variant,
 so a run cut short still leaves every finished figure)::
 
-    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
+    make .venv/.installed && .venv/bin/pip install -q "jax[cuda12]"
+    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 .venv/bin/python benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
 
 (``$OUT`` is the device tool's output folder; elsewhere use any path. ``--models gpt`` or
 ``--variants f32 rw-bf16 hand-bf16`` reruns a part; ``--tf32`` adds float32 with TF32 matmuls,
-in the last pass.) ``--smoke`` runs everything at toy sizes (CPU, well under a minute; the tests
-run it); ``--trace-only`` traces, rewrites and lowers the full-size steps without compiling.
+in the last pass.) ``--smoke`` runs everything at toy sizes and without a time budget (CPU,
+about 1.5 minutes of CPU; the tests run it); ``--trace-only`` traces, rewrites and lowers the
+full-size steps without compiling. On a machine without a GPU the script refuses the full-size
+run unless ``--allow-cpu`` is given.
 
 What is timed, each in one process on one card: a whole jitted train step (forward, backward
 and Adam; parameters, model state and optimizer state donated) of
@@ -514,7 +517,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--budget-s",
         type=float,
         default=None,
-        help="start no new variant after this many seconds (default 480, or 300 with --smoke)",
+        help="start no new variant after this many seconds (default 480; none with --smoke, "
+        "whose runs must all finish however loaded the machine is)",
     )
     parser.add_argument(
         "--models",
@@ -535,6 +539,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="trace, rewrite and lower at abstract arguments; compile and run nothing",
     )
     parser.add_argument("--tf32", action="store_true", help="also float32 with TF32 matmuls")
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run the full-size models even when the default device is not a GPU (hours)",
+    )
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --smoke)"
     )
@@ -558,7 +567,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = args.steps if args.steps is not None else (5 if args.smoke else 10)
     if warmup < 1 or steps < 1:
         parser.error(f"--warmup and --steps must be >= 1; got {warmup} and {steps}")
-    budget = args.budget_s if args.budget_s is not None else (300.0 if args.smoke else 480.0)
+    if args.budget_s is not None:
+        budget = args.budget_s
+    else:
+        budget = math.inf if args.smoke else 480.0
     variants = args.variants or [k for k in VARIANTS if k != "f32-tf32" or args.tf32]
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if args.smoke:  # before the backend starts: cheaper code generation (toy sizes, any speed)
@@ -569,6 +581,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     deadline = start + budget
     dev = jax.devices()[0]
+    if dev.platform != "gpu" and not (args.smoke or args.trace_only or args.allow_cpu):
+        parser.error(
+            f"the default device is {dev.platform} ({dev.device_kind}), not a GPU: the "
+            "full-size models would take hours here and measure nothing this benchmark is "
+            "for. Run it on a GPU machine, or pass --smoke (toy sizes), --trace-only (trace "
+            "and lower only) or --allow-cpu (run anyway)"
+        )
     limit = _memory_stats().get("bytes_limit")
     if args.gpt_batch is None and not args.smoke:
         args.gpt_batch = 32 if limit and limit > 100 * 2**30 else 16
@@ -595,14 +614,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "smoke": args.smoke,
             "warmup": warmup,
             "steps": steps,
-            "budget_s": budget,
+            "budget_s": None if math.isinf(budget) else budget,
             "argv": sys.argv[1:] if argv is None else list(argv),
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         },
         "models": {},
     }
     print(
-        f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}, budget {budget:.0f} s",
+        f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}, budget "
+        + ("none" if math.isinf(budget) else f"{budget:.0f} s"),
         flush=True,
     )
 

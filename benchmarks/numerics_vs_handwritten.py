@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import user_models as um  # noqa: E402
 
 import jmp_rewrite  # noqa: E402
+from jmp_rewrite.demo.report import machine  # noqa: E402
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     only = set(args.only or ["nnx", "bn", "embed", "lists"])
     results: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
+    print(f"measured {machine()}, jax {jax.__version__}", flush=True)
     t0 = time.perf_counter()
     tables = []
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jmp_rewrite
-from jmp_rewrite._src import op_lists
+from jmp_rewrite._src import environment, op_lists
+from jmp_rewrite._src.environment import env_var_name, lists_from_environment
 from jmp_rewrite._src.op_lists import (
     FLOAT32_ONLY,
     KINDS,
@@ -28,11 +29,9 @@ from jmp_rewrite._src.op_lists import (
     apply_level,
     canonical_level,
     default_lists,
-    env_var_name,
     integer_pow_key,
     jit_key,
     known_op_keys,
-    lists_from_environment,
 )
 
 FP16 = default_lists("float16")
@@ -523,7 +522,7 @@ def test_env_level_unknown_names_the_variable():
 @pytest.fixture
 def fresh_env_warnings(monkeypatch):
     """Forget which misspelled variables were warned about (once per name and process)."""
-    monkeypatch.setattr(op_lists, "_WARNED_ENV_NAMES", set())
+    monkeypatch.setattr(environment, "_WARNED_ENV_NAMES", set())
 
 
 TYPOS = [
@@ -568,8 +567,9 @@ def test_env_misspelling_warns_once_per_name():
 
 @pytest.mark.usefixtures("fresh_env_warnings")
 def test_env_valid_and_unrelated_names_do_not_warn():
-    env = dict.fromkeys(op_lists.env_var_names(), "")
-    env |= {"JMP_REWRITER": "x", "XLA_FLAGS": "", "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE": "1"}
+    env = dict.fromkeys(environment.env_var_names(), "")
+    env |= dict.fromkeys(environment.env_var_names("tf"), "")
+    env |= {"JMP_REWRITER": "x", "XLA_FLAGS": "", "TF_ENABLE_ONEDNN_OPTS": "1"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert lists_from_environment("float16", env) == (FP16, "DEFAULT")

@@ -52,6 +52,8 @@ from jmp_rewrite._src.finite import (
 from jmp_rewrite._src.loss_scale import DynamicLossScale, FixedLossScale, LossScale
 from jmp_rewrite._src.loss_scale_state import (
     LossScaleOptimizerState,
+    UnscaledGradientsWarning,
+    check_loss_was_scaled,
     get_loss_scale,
     get_loss_scale_state,
     last_step_applied,
@@ -66,6 +68,7 @@ __all__ = [
     "LossScaleDebugState",
     "LossScaleOptimizerState",
     "MixedPrecisionLossScaleOptimizer",
+    "UnscaledGradientsWarning",
     "all_finite",
     "get_loss_scale",
     "get_loss_scale_state",
@@ -479,18 +482,30 @@ def loss_scale_optimizer(
             raise ValueError(f"{name} must be True or False; got {flag!r}")
     options = _Options(inner, scale_rule, axis_name, bool(use_select), bool(debug))
 
+    # Named for explain, which shows the regions as float32_region(NAME).
     @float32_region
-    def init_fn(params: ArrayTree) -> LossScaleOptimizerState:
+    def loss_scale_optimizer_init(params: ArrayTree) -> LossScaleOptimizerState:
         return _init(options, params)
 
     @float32_region
-    def update_fn(
+    def loss_scale_optimizer_update(
         updates: ArrayTree,
         state: LossScaleOptimizerState,
         params: ArrayTree | None = None,
         **extra_args: Any,
     ) -> tuple[ArrayTree, LossScaleOptimizerState]:
         return _update(options, updates, state, params, extra_args)
+
+    def update_fn(
+        updates: ArrayTree,
+        state: LossScaleOptimizerState,
+        params: ArrayTree | None = None,
+        **extra_args: Any,
+    ) -> tuple[ArrayTree, LossScaleOptimizerState]:
+        check_loss_was_scaled(state, scale_rule)
+        return loss_scale_optimizer_update(updates, state, params, **extra_args)
+
+    init_fn = loss_scale_optimizer_init
 
     setattr(update_fn, _MARKER, scale_rule)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

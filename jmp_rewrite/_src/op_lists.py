@@ -35,8 +35,8 @@ adds a primitive that is not classified.
 Misuse to avoid: these are *TF's* choices, kept for parity. For example ``reduce_sum`` is deny
 in float16 (so layer-norm and batch-norm statistics stay float32) but infer in bfloat16, and
 ``rsqrt`` is unlisted in float16. Change them with :meth:`OpLists.add` / :meth:`OpLists.remove`
-or the ``JMP_REWRITE_*`` environment variables (:func:`lists_from_environment`), not by
-editing the tables here.
+or TF's environment variables (:mod:`jmp_rewrite._src.environment`), not by editing the tables
+here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import dataclasses
 import difflib
 import functools
 import importlib
-import os
 import re
 import types
 import warnings
@@ -70,10 +69,6 @@ LEVELS: tuple[str, ...] = (
 )
 #: Half-precision dtypes with default lists.
 DTYPES: tuple[str, ...] = ("float16", "bfloat16")
-
-#: Environment variable that selects a level (TF: ``..._GRAPH_REWRITE_LEVEL``).
-ENV_LEVEL = "JMP_REWRITE_LEVEL"
-_ENV_LIST = "JMP_REWRITE_{list}LIST_{action}"
 
 #: Named jit units that the painter treats as one op (TF's fused ops).
 JIT_UNIT_PREFIX = "jit:"
@@ -671,7 +666,7 @@ def _unknown_key_error(key: str, where: str) -> ValueError:
     message = f"unknown op key {key!r} in {where}"
     if suggestions:
         message += f"; did you mean {' or '.join(repr(s) for s in suggestions)}?"
-    message += " Keys are JAX primitive names (see jmp_rewrite.known_op_keys())."
+    message += " Keys are JAX primitive names: jmp_rewrite.known_op_keys() lists them all."
     return ValueError(message)
 
 
@@ -989,169 +984,3 @@ def apply_level(lists: OpLists, level: str | None, dtype: Any) -> OpLists:
             "(TF rejects it when oneDNN bf16 is used)"
         )
     return lists
-
-
-def env_var_name(kind: str, action: str) -> str:
-    """The environment variable for adding to / removing from one list.
-
-    Args:
-      kind: one of :data:`KINDS`.
-      action: ``"ADD"`` or ``"REMOVE"``.
-
-    Returns:
-      For example ``"JMP_REWRITE_INFERLIST_ADD"``.
-
-    Example:
-      >>> env_var_name("deny", "remove")
-      'JMP_REWRITE_DENYLIST_REMOVE'
-    """
-    if kind not in KINDS or action.upper() not in ("ADD", "REMOVE"):
-        raise ValueError(f"no environment variable for list {kind!r} and action {action!r}")
-    return _ENV_LIST.format(list=kind.upper(), action=action.upper())
-
-
-def env_var_names() -> tuple[str, ...]:
-    """Every ``JMP_REWRITE_*`` environment variable jmp_rewrite reads.
-
-    Returns:
-      ``JMP_REWRITE_LEVEL`` and the eight ``JMP_REWRITE_{list}LIST_{ADD,REMOVE}`` names.
-
-    Example:
-      >>> len(env_var_names()), env_var_names()[0]
-      (9, 'JMP_REWRITE_LEVEL')
-    """
-    lists = (env_var_name(kind, action) for kind in KINDS for action in ("ADD", "REMOVE"))
-    return (ENV_LEVEL, *lists)
-
-
-_ENV_PREFIX = "JMP_REWRITE_"
-# TF's list names before 2.4 (``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_WHITELIST_ADD``...).
-_TF_FORMER_LIST_NAMES = {"WHITELIST": "ALLOWLIST", "GRAYLIST": "INFERLIST", "BLACKLIST": "DENYLIST"}
-# Misspelled names already warned about: once per name and process, since the environment is
-# read on every call of a rewritten function.
-_WARNED_ENV_NAMES: set[str] = set()
-
-
-def warn_unknown_env_vars(env: Mapping[str, str], stacklevel: int = 2) -> None:
-    """Warns, once per name, about ``JMP_REWRITE_*`` variables that jmp_rewrite does not read.
-
-    A misspelled variable (``JMP_REWRITE_ALOWLIST_ADD``) would otherwise be ignored silently.
-    The warning names the closest valid variable. The prefix is matched case-insensitively.
-
-    Args:
-      env: the environment to check (e.g. ``os.environ``).
-      stacklevel: passed to :func:`warnings.warn`, counted from the caller of this function.
-    """
-    valid = env_var_names()
-    suffixes = [v[len(_ENV_PREFIX) :] for v in valid]
-    for name in sorted(env):
-        if not name.upper().startswith(_ENV_PREFIX) or name in valid:
-            continue
-        if name in _WARNED_ENV_NAMES:
-            continue
-        _WARNED_ENV_NAMES.add(name)
-        # Compared without the common prefix, which would make every name look close.
-        suffix = name.upper()[len(_ENV_PREFIX) :]
-        for old, new in _TF_FORMER_LIST_NAMES.items():
-            suffix = suffix.replace(old, new)
-        close = difflib.get_close_matches(suffix, suffixes, n=1, cutoff=0.6)
-        hint = (
-            f"did you mean {_ENV_PREFIX}{close[0]}?"
-            if close
-            else f"the variables are {', '.join(valid)}"
-        )
-        warnings.warn(
-            f"environment variable {name} is not read by jmp_rewrite and is ignored; {hint}",
-            stacklevel=stacklevel + 1,
-        )
-
-
-def _parse_env_keys(env: Mapping[str, str], var: str) -> frozenset[str]:
-    keys = frozenset(item.strip() for item in env.get(var, "").split(",") if item.strip())
-    for key in sorted(keys):
-        if not _is_known(key):
-            raise _unknown_key_error(key, var)
-    return keys
-
-
-def lists_from_environment(dtype: Any, env: Mapping[str, str] | None = None) -> tuple[OpLists, str]:
-    """Default lists with TF-style environment overrides applied, and the level.
-
-    Reads ``JMP_REWRITE_{ALLOWLIST,INFERLIST,DENYLIST,CLEARLIST}_{ADD,REMOVE}`` (comma-separated
-    op keys, spaces ignored) and ``JMP_REWRITE_LEVEL``, in TF's order:
-
-    1. start from :func:`default_lists`;
-    2. ``TENSOR_CORES_ONLY`` (float16) empties infer/deny/clear *before* the overrides, so
-       ``*_ADD``/``*_REMOVE`` for those three lists are ignored at that level (TF does the same;
-       a warning says so);
-    3. for each list, ADD then REMOVE; a REMOVE of a key that is not on that list is ignored
-       with a warning, as TF ignores it;
-    4. ``TREAT_INFER_AS_DENY`` then merges the (overridden) infer list into deny, as TF merges
-       after its list getters ran;
-    5. the four lists must be disjoint.
-
-    Other ``JMP_REWRITE_*`` variables (misspellings) are ignored with a warning, once per name,
-    that names the closest valid variable.
-
-    Args:
-      dtype: the target half-precision dtype (as for :func:`default_lists`).
-      env: the variables to read; ``os.environ`` when ``None``.
-
-    Returns:
-      ``(lists, level)`` with ``level`` one of :data:`LEVELS`. The painter handles
-      ``UNSAFE_FORCE_ALL`` itself; the lists are unchanged at that level.
-
-    Raises:
-      ValueError: for an unknown op key (naming the variable and the key), an unknown level,
-        UNSAFE_FORCE_ALL with bfloat16, or an op that ends on two lists ("conflicting
-        entries", naming the op and both lists).
-
-    Example:
-      >>> lists, level = lists_from_environment(
-      ...     "float16", {"JMP_REWRITE_INFERLIST_ADD": "rsqrt, square"})
-      >>> lists.kind("rsqrt"), level
-      ('infer', 'DEFAULT')
-    """
-    env = os.environ if env is None else env
-    warn_unknown_env_vars(env, stacklevel=2)
-    name = _canonical_dtype(dtype)
-    try:
-        level = canonical_level(env.get(ENV_LEVEL, ""))
-    except ValueError as e:
-        raise ValueError(f"{ENV_LEVEL}: {e}") from None
-    lists = default_lists(name)
-    if level == "UNSAFE_FORCE_ALL":
-        apply_level(lists, level, name)  # raises for bfloat16
-    tensor_cores_only = level == "TENSOR_CORES_ONLY" and name == "float16"
-    if tensor_cores_only:
-        lists = apply_level(lists, level, name)
-
-    sets = {kind: set(getattr(lists, kind)) for kind in KINDS}
-    for kind in KINDS:
-        add_var, remove_var = env_var_name(kind, "ADD"), env_var_name(kind, "REMOVE")
-        to_add, to_remove = _parse_env_keys(env, add_var), _parse_env_keys(env, remove_var)
-        if tensor_cores_only and kind != "allow":
-            for var, keys in ((add_var, to_add), (remove_var, to_remove)):
-                if keys:
-                    warnings.warn(
-                        f"{var} is ignored: {ENV_LEVEL}=TENSOR_CORES_ONLY empties the {kind} "
-                        "list before overrides are applied (as in TensorFlow)",
-                        stacklevel=2,
-                    )
-            continue
-        sets[kind] |= to_add
-        for key in sorted(to_remove - sets[kind]):
-            warnings.warn(
-                f"{remove_var}: {key!r} is not on the {kind} list for {name} "
-                f"(it is {_where(sets, key)}); ignored",
-                stacklevel=2,
-            )
-        sets[kind] -= to_remove
-
-    try:
-        lists = OpLists(**sets)
-    except ValueError as e:
-        raise ValueError(f"{e} (after applying the JMP_REWRITE_*LIST_* variables)") from None
-    if not tensor_cores_only:
-        lists = apply_level(lists, level, name)
-    return lists, level
