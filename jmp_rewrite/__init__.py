@@ -17,9 +17,7 @@ from jmp_rewrite._src.op_lists import default_lists as default_lists
 from jmp_rewrite._src.op_lists import known_op_keys as known_op_keys
 from jmp_rewrite._src.regions import float32_region as float32_region
 from jmp_rewrite._src.rewrite import PaintResult as PaintResult
-from jmp_rewrite._src.rewrite import RewriteOffWarning as RewriteOffWarning
 from jmp_rewrite._src.rewrite import paint_program as paint
-from jmp_rewrite._src.rewrite import platform_dtype as platform_dtype
 from jmp_rewrite._src.rewrite import rewrite as rewrite
 from jmp_rewrite._src.rewrite import rewrite_jaxpr as rewrite_jaxpr
 from jmp_rewrite._src.seed import (
@@ -31,6 +29,8 @@ from jmp_rewrite._src.seed import (
 from jmp_rewrite._src.seed import (
     mixed_precision_graph_rewrite_enabled as mixed_precision_graph_rewrite_enabled,
 )
+from jmp_rewrite._src.settings import RewriteOffWarning as RewriteOffWarning
+from jmp_rewrite._src.settings import platform_dtype as platform_dtype
 
 try:
     __version__ = version("jmp_rewrite")

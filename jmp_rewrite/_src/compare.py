@@ -40,6 +40,7 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
@@ -509,9 +510,9 @@ def compare(
     """
     if not callable(fun):
         raise TypeError(f"compare expects a callable, got {type(fun).__name__}: {fun!r}")
-    dt = rewrite_lib.validate_dtype(dtype)
+    dt = settings_lib.validate_dtype(dtype)
     if dt is None:
-        dt = rewrite_lib.platform_dtype() or np.dtype(jnp.float16)
+        dt = settings_lib.platform_dtype() or np.dtype(jnp.float16)
     tol = _tolerance(tolerance, dt)
     _check_args(jax.tree.leaves((args, kwargs)))
     return _compare(fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None)

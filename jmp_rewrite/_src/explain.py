@@ -20,6 +20,7 @@ import numpy as np
 
 from jmp_rewrite._src import explain_html, explain_view, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
@@ -496,7 +497,7 @@ def explain(
       >>> len(r.converted), r.total, r.half_flops_share
       (2, 3, 1.0)
     """
-    rewrite_lib.validate_dtype(dtype)
+    settings_lib.validate_dtype(dtype)
     target, jits = rewrite_lib.find_rewritten(fun)
     explained, static = "", None
     if target is not None:
@@ -511,7 +512,7 @@ def explain(
         wrapper = "jit(" * jits + wrapper + ")" * jits
         explained = f"{target._name}, the function inside {wrapper}, with its settings"
     follow = True if infer_follows_allow is None else infer_follows_allow
-    settings = rewrite_lib.effective_settings(dtype, lists, level, follow)
+    settings = settings_lib.effective_settings(dtype, lists, level, follow)
     if settings.dtype is None:
         return Report("none", False, (), (), None, None, explained, settings.off_reason)
     fn = rewrite_lib.rewritten_with(fun, settings, static)
