@@ -8,7 +8,16 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: test test-newest demo lint format bench clean
+# make gpu-memory: the GPU memory of the GPU benchmark's train steps, compiled for an H200 on
+# this CPU-only machine (benchmarks/gpu_memory.py); its own environment, .venv-gpu, holds jax
+# with the CUDA plugin (~5.6 GB of wheels: never part of make test). ARGS go to the script,
+# e.g. make gpu-memory ARGS="--models gpt --dtypes bf16".
+GPU_VENV ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_JAX ?= 0.11.2
+GPU_PYTHON ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3))),python3)
+
+.PHONY: test test-newest demo lint format bench gpu-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,5 +49,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
 
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q "jax[cuda12]==$(GPU_JAX)" flax -e .
+	touch $(GPU_STAMP)
+
+gpu-memory: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
+
 clean:
-	rm -rf .venv .venv-newest .pytest_cache runs
+	rm -rf .venv .venv-newest .venv-gpu .pytest_cache runs

@@ -27,7 +27,11 @@ Variants (in this order of priority: with a short budget the later passes are sk
   float32 normalisation statistics and loss), the baseline a Flax user has today;
 * ``rw-f16-lso``: ``rewrite(dtype=float16)`` with ``loss_scale_optimizer`` (``lax.cond``);
 * ``rw-f16-lso-select``: the same with ``loss_scale_optimizer(use_select=True)``;
-* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``.
+* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``;
+* only when named with ``--variants``: ``rw-f16`` (``rewrite(dtype=float16)``, no loss
+  scaling), ``hand-f16`` (Flax's ``dtype=jnp.float16``) and ``hand-f16-dynscale`` (that model
+  with ``flax.training.dynamic_scale.DynamicScale`` and ``jnp.where`` on the new parameters
+  and optimizer state, as Flax's ImageNet example trains in float16).
 
 Reported per model and variant: median step time, speed-up over ``f32``, speed ratio to
 ``hand-bf16`` (``t_hand / t``: above 1 is faster), achieved TFLOP/s and MFU (matmul and
@@ -101,6 +105,7 @@ class Variant:
     use_select: bool = False
     precision: str | None = None  # jax.default_matmul_precision while tracing
     cuda_lists: bool = False  # bf16 with TF's CUDA (float16) lists instead of oneDNN's
+    flax_dynamic_scale: bool = False  # flax.training.dynamic_scale.DynamicScale + jnp.where
 
     @property
     def tf32(self) -> bool | None:
@@ -120,8 +125,23 @@ VARIANTS = {
         Variant("rw-f16-lso", rewrite_dtype=jnp.float16, loss_scale=True),
         Variant("rw-f16-lso-select", rewrite_dtype=jnp.float16, loss_scale=True, use_select=True),
         Variant("f32-tf32", precision="tensorfloat32"),
+        # Run only when named (--variants): float16 without loss scaling, rewritten and by
+        # hand (memory and speed of the painting alone), and the Flax user's float16 baseline.
+        Variant("rw-f16", rewrite_dtype=jnp.float16),
+        Variant("hand-f16", hand_dtype=jnp.float16),
+        Variant("hand-f16-dynscale", hand_dtype=jnp.float16, flax_dynamic_scale=True),
     )
 }
+#: What runs without ``--variants`` (``f32-tf32`` only with ``--tf32``).
+DEFAULT_VARIANTS = (
+    "f32",
+    "rw-bf16",
+    "hand-bf16",
+    "rw-bf16-cuda-lists",
+    "rw-f16-lso",
+    "rw-f16-lso-select",
+    "f32-tf32",
+)
 #: XLA flags for ``--smoke``: LLVM's optimisations take most of XLA:CPU's compile time.
 SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 #: Passes over the models: every model gets the headline variants before any gets the rest.
@@ -131,6 +151,7 @@ PASSES = (
     ("rw-bf16-cuda-lists",),
     ("rw-f16-lso-select",),
     ("f32-tf32",),
+    ("rw-f16", "hand-f16", "hand-f16-dynscale"),
 )
 
 
@@ -142,6 +163,8 @@ PASSES = (
 def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
     """``(tx, step)`` with ``step(params, state, opt_state, inputs, labels)``."""
     loss_fn = model.make_loss(variant.hand_dtype)
+    if variant.flax_dynamic_scale:
+        return _flax_dynamic_scale_step(model, loss_fn)
     if variant.loss_scale:
         tx = jmp_rewrite.loss_scale_optimizer(
             optax.adam(model.learning_rate), use_select=variant.use_select
@@ -173,6 +196,45 @@ def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
         lists = jmp_rewrite.default_lists(jnp.float16) if variant.cuda_lists else None
         step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists)
     return tx, step
+
+
+def _flax_dynamic_scale_step(model: _gpu_models.Model, loss_fn: Any) -> tuple[Any, Any]:
+    """Flax's float16 recipe (its ImageNet example): ``DynamicScale.value_and_grad``, Adam,
+    and ``jnp.where`` keeping the old parameters and optimizer state on a non-finite step.
+    The scale's state rides in the optimizer state: ``(adam_state, DynamicScale)``."""
+    from flax.training import dynamic_scale
+
+    adam = optax.adam(model.learning_rate)
+    tx = optax.GradientTransformation(
+        lambda params: (adam.init(params), dynamic_scale.DynamicScale()), None
+    )
+
+    def step(params, state, opt_state, inputs, labels):
+        inner, scale = opt_state
+        grad_fn = scale.value_and_grad(loss_fn, has_aux=True)
+        scale, finite, (loss, new_state), grads = grad_fn(params, state, inputs, labels)
+        updates, new_inner = adam.update(grads, inner, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+        return keep(new_params, params), new_state, (keep(new_inner, inner), scale), loss
+
+    return tx, step
+
+
+#: The step's donated arguments: parameters, model state, optimizer state.
+DONATE = (0, 1, 2)
+
+
+def abstract_args(model: _gpu_models.Model, tx: Any, sharding: Any = None) -> tuple[Any, ...]:
+    """``(params, state, opt_state, inputs, labels)`` of ``model`` as ``ShapeDtypeStruct``s
+    (placed by ``sharding`` when given): the step's arguments, with nothing allocated."""
+
+    def spec(a: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(a), np.dtype(a.dtype), sharding=sharding)
+
+    params, state = jax.tree.map(spec, model.params), jax.tree.map(spec, model.state)
+    opt_state = jax.tree.map(spec, jax.eval_shape(tx.init, params))
+    return params, state, opt_state, spec(model.inputs), spec(model.labels)
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -242,7 +304,7 @@ def _cost_flops(compiled: Any) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-def _xla_peak_bytes(compiled: Any) -> int | None:
+def xla_peak_bytes(compiled: Any) -> int | None:
     try:
         m = compiled.memory_analysis()
     except Exception:  # noqa: BLE001
@@ -282,12 +344,9 @@ def run_variant(
     nothing is allocated, compiled or run: a check of the full-size code paths on any machine.
     """
     tx, step = make_step(model, variant)
-    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    jitted = jax.jit(step, donate_argnums=DONATE)
     if trace_only:
-        spec = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
-        params, state = jax.tree.map(spec, model.params), jax.tree.map(spec, model.state)
-        opt_state = jax.eval_shape(tx.init, params)
-        inputs, labels = spec(model.inputs), spec(model.labels)
+        params, state, opt_state, inputs, labels = abstract_args(model, tx)
     else:
         params, state = jax.device_put(model.params), jax.device_put(model.state)
         opt_state = tx.init(params)
@@ -317,7 +376,7 @@ def run_variant(
     compiled = lowered.compile()
     rec["compile_s"] = time.perf_counter() - t2
     rec["xla_flops"] = _cost_flops(compiled)
-    rec["xla_peak_bytes"] = _xla_peak_bytes(compiled)
+    rec["xla_peak_bytes"] = xla_peak_bytes(compiled)
     del traced, lowered
     times, losses, applied = [], [], []
     for i in range(warmup + steps):
@@ -477,7 +536,7 @@ def write_json(result: dict[str, Any], path: Path | None) -> None:
     os.replace(tmp, path)
 
 
-def _version(name: str) -> str | None:
+def version_of(name: str) -> str | None:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -527,7 +586,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         choices=tuple(VARIANTS),
         default=None,
-        help="default: all but f32-tf32 (which --tf32 adds)",
+        help="default: all but f32-tf32 (which --tf32 adds) and the float16 extras "
+        "(rw-f16, hand-f16, hand-f16-dynscale)",
     )
     parser.add_argument(
         "--trace-only",
@@ -559,7 +619,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if warmup < 1 or steps < 1:
         parser.error(f"--warmup and --steps must be >= 1; got {warmup} and {steps}")
     budget = args.budget_s if args.budget_s is not None else (300.0 if args.smoke else 480.0)
-    variants = args.variants or [k for k in VARIANTS if k != "f32-tf32" or args.tf32]
+    variants = args.variants or [k for k in DEFAULT_VARIANTS if k != "f32-tf32" or args.tf32]
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if args.smoke:  # before the backend starts: cheaper code generation (toy sizes, any speed)
         os.environ["XLA_FLAGS"] = " ".join(
@@ -578,10 +638,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "meta": {
             "jax": jax.__version__,
-            "jaxlib": _version("jaxlib"),
+            "jaxlib": version_of("jaxlib"),
             "jmp_rewrite": jmp_rewrite.__version__,
-            "flax": _version("flax"),
-            "optax": _version("optax"),
+            "flax": version_of("flax"),
+            "optax": version_of("optax"),
             "python": platform.python_version(),
             "platform": dev.platform,
             "device_kind": dev.device_kind,

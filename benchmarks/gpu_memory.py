@@ -1,0 +1,353 @@
+"""GPU memory of the GPU benchmark's train steps, measured without a GPU.
+
+``make gpu-memory`` (or ``.venv-gpu/bin/python benchmarks/gpu_memory.py``) compiles the train
+steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders -- for an
+NVIDIA H200 (or ``--target h100``) on a CPU-only machine: a *deviceless* XLA:GPU compile
+through ``jax.experimental.topologies``. XLA's buffer assignment for the card comes out of
+``memory_analysis()``; on the H200 it matched the card's own figures within 40 KB (2026-11-26,
+``shared/measurements/h200-2026-11-26.md``). Timings still need a card.
+
+It needs jax/jaxlib with the CUDA plugin (``jax[cuda12]``, about 5.6 GB of wheels), so it has
+its own environment, ``.venv-gpu`` (made by ``make gpu-memory``; never part of ``make test``).
+No GPU, driver or CUDA toolkit is used: ``CUDA_VISIBLE_DEVICES=-1``, ``JAX_PLATFORMS=cpu``.
+
+Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
+``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``; see ``gpu_speedup.py``):
+
+* ``peak``: arguments + outputs - aliased (donated) + temporaries, the figure ``gpu_speedup.py``
+  reports on the card, and ``temp`` alone;
+* ``moved``: bytes each kernel of the optimised HLO reads and writes (operands and results of
+  every fusion, library call and unfused op; for a ``conditional``, its costliest branch):
+  XLA's ``cost_analysis`` is not available without a device, so it is counted from the HLO;
+* ``kernels`` (launches: fusions, cuBLAS/cuDNN calls, unfused ops), ``converts`` (convert ops
+  in the optimised HLO, fused or not) and ``finite kernels`` (kernels of the loss-scale
+  optimizer's finiteness check: the ``check_finite`` name scope);
+* ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
+  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
+
+Full sizes are the card's (GPT-2 small B32 T1024, ResNet-50 B128 224x224, ViT-B/16 B128); a
+GPT compile takes minutes on two cores. ``--smoke`` compiles toy sizes (seconds);
+``--platform cpu`` compiles for the host instead (no CUDA plugin needed; CPU memory is no
+proxy for the GPU's: XLA:CPU upcasts half-precision matmuls) -- the tests use both.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Before JAX starts: no GPU is looked for; the CUDA plugin only compiles.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _gpu_models  # noqa: E402
+import gpu_speedup  # noqa: E402
+
+import jmp_rewrite  # noqa: E402
+
+_COMMON = """
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+"""
+
+
+def _target(name: str, bandwidth: int, memory: int) -> str:
+    """An XLA ``GpuTargetConfig`` text proto (cuDNN 9.8, CUDA runtime 12.9)."""
+    return (
+        f"gpu_device_info {{{_COMMON}  memory_bandwidth: {bandwidth}\n"
+        f"  device_memory_size: {memory}\n}}\n"
+        'platform_name: "CUDA"\n'
+        "dnn_version_info { major: 9 minor: 8 }\n"
+        "runtime_version { major: 12 minor: 9 }\n"
+        f'device_description_str: "{name}"\n'
+    )
+
+
+#: Targets: the H200 of the 2026-11-26 measurements, and the H100 SXM (same chip, 80 GB).
+TARGETS = {
+    "h200": _target("NVIDIA H200", 4_800_000_000_000, 150_109_208_576),
+    "h100": _target("NVIDIA H100 80GB HBM3", 3_352_320_000_000, 84_978_434_048),
+}
+#: Variants by half type (``f32`` is the reference of both).
+BY_DTYPE = {
+    "bf16": ("rw-bf16", "hand-bf16"),
+    "f16": ("rw-f16", "rw-f16-lso", "hand-f16", "hand-f16-dynscale"),
+}
+#: Rewritten variant -> its hand-written counterpart.
+PAIRS = {"rw-bf16": "hand-bf16", "rw-f16": "hand-f16", "rw-f16-lso": "hand-f16-dynscale"}
+#: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
+FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
+#: Name scope of the loss-scale optimizer's finiteness check (``finite.check_finite``).
+FINITE_SCOPE = "check_finite"
+
+# ------------------------------------------------------------------------------------------
+# Optimised HLO: kernels, converts, bytes moved
+# ------------------------------------------------------------------------------------------
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
+_BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
+)
+#: Instructions that launch nothing (views, tuples, constants).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+_FREE |= {"partition-id", "replica-id", "opt-barrier"}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (a tuple counts all its arrays)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def _computations(text: str) -> tuple[dict[str, list[tuple[str, ...]]], str | None]:
+    comps: dict[str, list[tuple[str, ...]]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            comps[current].append(m.groups())
+    return comps, entry
+
+
+def hlo_stats(text: str, scope: str = FINITE_SCOPE) -> dict[str, int]:
+    """Kernels, bytes moved and converts of an optimised HLO module (see the module doc)."""
+    comps, entry = _computations(text)
+
+    def walk(name: str) -> dict[str, int]:
+        out = dict.fromkeys(("kernels", "fusions", "library_calls", "bytes_moved"), 0)
+        out["scope_kernels"] = 0
+        shapes = {n: s for n, s, _, _ in comps.get(name, [])}
+        for _, shape, op, rest in comps.get(name, []):
+            if op == "conditional":
+                names = []
+                for group, single in _BRANCHES.findall(rest):
+                    names += [b.strip().lstrip("%") for b in group.split(",")] if group else []
+                    names += [single] if single else []
+                branches = [walk(b) for b in names]
+                best = max(branches, key=lambda b: b["bytes_moved"], default={})
+                for k, v in best.items():
+                    out[k] += v
+                continue
+            if op in _FREE:
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            out["kernels"] += 1
+            out["fusions"] += op == "fusion"
+            out["library_calls"] += op == "custom-call"
+            out["bytes_moved"] += shape_bytes(shape) + sum(
+                shape_bytes(shapes.get(o, "")) for o in operands
+            )
+            out["scope_kernels"] += f"/{scope}/" in rest or f"({scope})" in rest
+        return out
+
+    stats = walk(entry) if entry else {}
+    stats["converts"] = len(re.findall(r"\bconvert\(", text))
+    return stats
+
+
+# ------------------------------------------------------------------------------------------
+# Compiling one model x variant
+# ------------------------------------------------------------------------------------------
+
+
+def compile_variant(
+    model: _gpu_models.Model, key: str, device: Any, lowering_platform: str
+) -> tuple[Any, float]:
+    """The compiled train step of ``model`` in variant ``key`` and its compile seconds."""
+    variant = gpu_speedup.VARIANTS[key]
+    tx, step = gpu_speedup.make_step(model, variant)
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    args = gpu_speedup.abstract_args(model, tx, sharding)
+    precision = (
+        jax.default_matmul_precision(variant.precision)
+        if variant.precision
+        else contextlib.nullcontext()
+    )
+    t0 = time.perf_counter()
+    with precision:
+        traced = jax.jit(step, donate_argnums=gpu_speedup.DONATE).trace(*args)
+        compiled = traced.lower(lowering_platforms=(lowering_platform,)).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def measure(compiled: Any) -> dict[str, Any]:
+    m = compiled.memory_analysis()
+    rec: dict[str, Any] = {
+        "peak_bytes": gpu_speedup.xla_peak_bytes(compiled),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+    }
+    stats = hlo_stats(compiled.as_text())
+    rec.update(stats)
+    rec["finite_kernels"] = rec.pop("scope_kernels")
+    return rec
+
+
+def ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Peak memory of each rewritten variant over its hand-written counterpart."""
+    out = {}
+    for rw, hand in PAIRS.items():
+        a, b = variants.get(rw, {}), variants.get(hand, {})
+        if a.get("peak_bytes") and b.get("peak_bytes"):
+            out[f"{rw}/{hand}"] = a["peak_bytes"] / b["peak_bytes"]
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    meta = result["meta"]
+    unit, scale = ("MiB", 2.0**-20) if meta["smoke"] else ("GiB", 2.0**-30)
+    print(
+        f"\n## {meta['target']} (deviceless XLA:GPU compile on {meta['host']}), "
+        f"jax {meta['jax']}, {meta['date']}\n"
+    )
+    head = (
+        f"| model | variant | peak {unit} | temp {unit} | rw/hand | moved GB | kernels | converts "
+        "| finite kernels | compile s |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for m in result["models"].values():
+        for key, r in m["variants"].items():
+            if "peak_bytes" not in r:
+                print(f"| {m['key']} | {key} | {r.get('error', '?')[:80]} |")
+                continue
+            ratio = next((v for k, v in m["ratios"].items() if k.startswith(key + "/")), None)
+            print(
+                f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
+                f"| {r['temp_bytes'] * scale:.2f} | {'-' if ratio is None else f'{ratio:.3f}'} "
+                f"| {r['bytes_moved'] / 1e9:.2f} | {r['kernels']} | {r['converts']} "
+                f"| {r['finite_kernels']} | {r['compile_s']:.0f} |"
+            )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(_gpu_models.BUILDERS), default=None)
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(BY_DTYPE), default=list(BY_DTYPE))
+    parser.add_argument(
+        "--variants", nargs="+", choices=tuple(gpu_speedup.VARIANTS), default=None,
+        help="default: f32 and the variants of --dtypes",
+    )  # fmt: skip
+    parser.add_argument("--target", choices=tuple(TARGETS), default="h200")
+    parser.add_argument(
+        "--platform", choices=("cuda", "cpu"), default="cuda",
+        help="cpu: compile for the host (no CUDA plugin; not the GPU's figures)",
+    )  # fmt: skip
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--dump-hlo", type=Path, default=None, help="folder for optimised HLO")
+    args = parser.parse_args(argv)
+    models = args.models or list(_gpu_models.BUILDERS)
+    variants = args.variants or ["f32", *(v for d in args.dtypes for v in BY_DTYPE[d])]
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+    device = None
+    if args.platform == "cuda":
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=TARGETS[args.target], topology="1x1x1"
+        )
+        device = topology.devices[0]
+    result: dict[str, Any] = {
+        "meta": {
+            "target": device.device_kind if device is not None else f"host ({platform.machine()})",
+            "platform": args.platform,
+            "host": f"{platform.machine()} CPU x{os.cpu_count()}",
+            "date": time.strftime("%Y-%m-%d"),
+            "jax": jax.__version__,
+            "jaxlib": gpu_speedup.version_of("jaxlib"),
+            "cuda_plugin": gpu_speedup.version_of("jax-cuda12-plugin"),
+            "jmp_rewrite": jmp_rewrite.__version__,
+            "flax": gpu_speedup.version_of("flax"),
+            "optax": gpu_speedup.version_of("optax"),
+            "python": platform.python_version(),
+            "smoke": args.smoke,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+        },
+        "models": {},
+    }
+    for key in models:
+        sizes = _gpu_models.SMOKE_SIZES[key] if args.smoke else FULL_SIZES[key]
+        model = _gpu_models.BUILDERS[key](**sizes)
+        rec_model: dict[str, Any] = {
+            "key": key,
+            "description": model.description,
+            "config": model.config,
+            "variants": {},
+            "ratios": {},
+        }
+        result["models"][key] = rec_model
+        for vkey in variants:
+            try:
+                compiled, seconds = compile_variant(model, vkey, device, args.platform)
+                rec = {**measure(compiled), "compile_s": seconds}
+                if args.dump_hlo is not None:
+                    args.dump_hlo.mkdir(parents=True, exist_ok=True)
+                    (args.dump_hlo / f"{key}-{vkey}.hlo").write_text(compiled.as_text())
+                del compiled
+            except Exception as err:  # noqa: BLE001 - record it, go on with the rest
+                rec = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            rec_model["variants"][vkey] = rec
+            rec_model["ratios"] = ratios(rec_model["variants"])
+            gpu_speedup.write_json(result, args.out)
+            if "peak_bytes" in rec:
+                print(
+                    f"{key} {vkey}: peak {rec['peak_bytes'] / 2**30:.3f} GiB, temp "
+                    f"{rec['temp_bytes'] / 2**30:.3f} GiB, moved {rec['bytes_moved'] / 1e9:.2f} "
+                    f"GB, {rec['kernels']} kernels, compile {rec['compile_s']:.0f} s",
+                    flush=True,
+                )
+            else:
+                print(f"{key} {vkey}: {rec['error'][:500]}", flush=True)
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
