@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jmp_rewrite as jr
 
@@ -109,3 +110,66 @@ def test_a_power_scaled_by_zero_or_summed_with_itself_stays_deny():
     for f in (by_zero, with_itself):
         records = jr.paint(f, jnp.eye(4), jnp.ones((2, 4)), dtype=F16)
         assert _colours(records, "integer_pow") == ["deny"], f.__name__
+
+
+# ------------------------------------------------------------------------- (3) normalization
+
+
+def _batch_norm(x, scale, bias):
+    mean = jnp.mean(x, axis=(0, 1, 2))
+    var = jnp.mean(jnp.square(x - mean), axis=(0, 1, 2))
+    return (x - mean) * lax.rsqrt(var + 1e-5) * scale + bias
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+def _residual_block_forward(params, x):
+    """A ResNet stage: a stem conv, then conv-BN-ReLU-conv-BN, the residual add, ReLU."""
+    h = _conv(x, params["w0"])
+    y = jax.nn.relu(_batch_norm(_conv(h, params["w1"]), params["s1"], params["b1"]))
+    y = _batch_norm(_conv(y, params["w2"]), params["s2"], params["b2"])
+    return jax.nn.relu(y + h)
+
+
+def _residual_block(params, x):
+    return jnp.mean(_residual_block_forward(params, x) ** 2)
+
+
+def _block_args():
+    k0, k1, k2, k3 = jax.random.split(KEY, 4)
+    params = {
+        "w0": jax.random.normal(k0, (3, 3, 8, 8)) * 0.2,
+        "w1": jax.random.normal(k1, (3, 3, 8, 8)) * 0.2,
+        "w2": jax.random.normal(k2, (3, 3, 8, 8)) * 0.2,
+        "s1": jnp.ones(8),
+        "b1": jnp.zeros(8),
+        "s2": jnp.ones(8),
+        "b2": jnp.zeros(8),
+    }
+    return params, jax.random.normal(k3, (4, 6, 6, 8))
+
+
+def test_float16_normalization_statistics_float32_activations_half():
+    records = jr.paint(_residual_block_forward, *_block_args(), dtype=F16)
+    stats = [e for e in records if e.painted_by == "keep_normalization_statistics_float32"]
+    assert {e.primitive for e in stats} >= {"reduce_sum", "rsqrt"}
+    assert all(e.colour == "float32" for e in stats)  # float32, and no deny from them
+    assert not any(e.colour == "deny" for e in records)
+    # The normalized activations, the ReLUs and the residual add run in half.
+    assert _colours(records, "max") == ["allow", "allow"]
+    normalized = [e for e in records if e.primitive in ("add", "mul") and e not in stats]
+    assert len(normalized) >= 5 and all(e.half for e in normalized), normalized
+
+
+def test_float16_normalization_numerics_against_float32():
+    params, x = _block_args()
+    ref_loss, ref = jax.value_and_grad(_residual_block)(params, x)
+    loss, got = jax.jit(jr.rewrite(jax.value_and_grad(_residual_block), dtype=F16))(params, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
+    for key in params:
+        scale = float(jnp.abs(ref[key]).max())
+        np.testing.assert_allclose(got[key], ref[key], atol=2e-2 * scale)
