@@ -173,3 +173,56 @@ def test_float16_normalization_numerics_against_float32():
     for key in params:
         scale = float(jnp.abs(ref[key]).max())
         np.testing.assert_allclose(got[key], ref[key], atol=2e-2 * scale)
+
+
+# ------------------------------------------------------------------ (4) float32 reads unrounded
+
+S = np.full((4,), 1 + 2.0**-13, np.float32)  # no float16 or bfloat16 number: rounds to 1
+
+
+def _shared_broadcast(x, s, w):
+    sb = lax.broadcast_in_dim(s, x.shape, (1,))
+    kept = jnp.exp(x) * sb  # float32: exp is deny
+    half = (x @ w) * sb  # half: follows the matmul
+    return kept, half
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_a_float32_op_reads_a_shared_broadcast_unrounded(dtype):
+    x, w = jnp.ones((2, 4)) * 0.5, jnp.eye(4)
+    records = jr.paint(_shared_broadcast, x, S, w, dtype=dtype)
+    (bcast,) = [e for e in records if e.primitive == "broadcast_in_dim"]
+    assert bcast.colour == "float32" and bcast.painted_by == "keep_float32_reads_unrounded"
+    assert _colours(records, "mul") == ["deny", "allow"]
+    kept, _ = jax.jit(jr.rewrite(_shared_broadcast, dtype=dtype))(x, S, w)
+    np.testing.assert_array_equal(kept, jnp.exp(x) * S)  # exact: S was never rounded
+
+
+def test_layer_norm_scale_is_not_rounded_when_its_multiply_is_float32():
+    # GPT's first LayerNorm: nothing half upstream, so the normalization is float32; the
+    # backward multiply by the same broadcast scale is half.
+    def loss(scale, w, x):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        h = (x - mean) * lax.rsqrt(var + 1e-5) * scale
+        return jnp.mean((h @ w) ** 2), h
+
+    x = jax.random.normal(KEY, (4, 8))
+    args = (np.full((8,), 1 + 2.0**-13, np.float32), jnp.eye(8), x)
+    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    records = jr.paint(step, *args, dtype=BF16)
+    assert all(c == "float32" for c in _colours(records, "broadcast_in_dim")[:1])
+    (_, h), _ = jax.jit(jr.rewrite(step, dtype=BF16))(*args)
+    (_, h_ref), _ = step(*args)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-6)  # float32 throughout, scale unrounded
+
+
+def test_a_clear_op_after_a_half_producer_is_still_half():
+    # Only data movement of float32 values stays float32; a transpose of a matmul's result
+    # read by a float32 op is a half value already.
+    def f(x, w):
+        t = (x @ w).T
+        return jnp.exp(t), t @ w
+
+    records = jr.paint(f, jnp.ones((4, 4)), jnp.eye(4), dtype=F16)
+    assert _colours(records, "transpose") == ["allow"]

@@ -361,6 +361,34 @@ def remove_allow_without_float32(g: Graph, p: Painting) -> None:
             p.painted_by[n.id] = "remove_allow_without_float32"
 
 
+def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
+    """A float32 value read in float32 is never a round trip through half precision.
+
+    Differs from TF on purpose. Pass 5 paints a clear op half when a half op is next to it,
+    either way: the ``broadcast_in_dim`` of a LayerNorm scale, shared by the forward float32
+    ``mul`` and the backward half ``mul``, becomes half, and TF's
+    ``ChangeTypeAttrsAndAddCasts`` would cast the float32 parameter to half before it and
+    back to float32 for the float32 reader: a silent rounding of a float32 computation
+    (GPT-2's first LayerNorm). Here a clear op painted half with no half input -- data
+    movement of float32 values -- stays float32 when a float32 op (or an output) reads it,
+    with the clear ops above it that have no half input either; its half readers cast after
+    it instead. As many casts, nothing rounded that was not rounded before.
+    """
+    copies: set[int] = set()  # clear ops painted half that only move float32 values
+    for n in g.nodes:  # graph order: inputs first (a loop's back edge only makes it miss one)
+        if n.id in p.allow and n.kind == CLEAR:
+            if all(f in copies or f not in p.allow for f in n.fanin):
+                copies.add(n.id)
+    read_in_float32 = [
+        v
+        for v in copies
+        if g.nodes[v].feeds_output or any(c not in p.allow for c in g.nodes[v].fanout)
+    ]
+    for v in _walk_up(g, read_in_float32, lambda n: n.id in copies):
+        p.allow.discard(v)
+        p.painted_by[v] = "keep_float32_reads_unrounded"
+
+
 def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
     """TF ``MakeCastsAllowIfAllOutputsAllow``: a user's cast to float32 feeding only
     half-precision consumers casts to half instead (``bool -> f32 -> matmul`` becomes
@@ -411,6 +439,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
         add_infer_to_allow_if_follow_allow(g, p)
     propagate_allow_through_clear(g, p)
     remove_allow_without_float32(g, p)
+    keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
     if not any(g.nodes[n].float32 for n in p.allow):
