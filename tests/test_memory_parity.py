@@ -25,6 +25,12 @@ import pytest
 from jax import lax
 
 import jmp_rewrite as jr
+from jmp_rewrite._src.finite import (
+    LEAVES_PER_REDUCTION,
+    any_non_finite,
+    any_non_finite_fused,
+    check_finite,
+)
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 KEY = jax.random.key(0)
@@ -226,3 +232,74 @@ def test_a_clear_op_after_a_half_producer_is_still_half():
 
     records = jr.paint(f, jnp.ones((4, 4)), jnp.eye(4), dtype=F16)
     assert _colours(records, "transpose") == ["allow"]
+
+
+# ------------------------------------------------------------------------- finiteness check
+
+
+def _leaves():
+    return [
+        jnp.ones((4, 3)),
+        jnp.ones((5,), F16),
+        jnp.array(2.0),
+        jnp.ones((2, 2, 3), BF16),
+        jnp.zeros((0, 3)),
+        jnp.arange(3),  # integer leaves are ignored
+    ]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_fused_finiteness_check_is_exact(jit):
+    inv = jnp.float32(1.0 / 1024)
+
+    def bad(leaves, scaled=True):
+        f = lambda leaves: any_non_finite_fused(leaves, inv, scaled=scaled)  # noqa: E731
+        return bool((jax.jit(f) if jit else f)(leaves))
+
+    leaves = _leaves()
+    assert not bad(leaves)
+    big = leaves[:]
+    big[0] = big[0].at[1].set(3.0e38)  # finite values whose sum overflows: still finite
+    big[1] = big[1].at[0].set(65504.0)
+    assert not bad(big)
+    for value in (jnp.nan, jnp.inf, -jnp.inf):
+        for i, index in ((0, (2, 1)), (1, 4), (2, ()), (3, (1, 0, 2))):
+            poisoned = leaves[:]
+            poisoned[i] = poisoned[i].at[index].set(value)
+            assert bad(poisoned), (value, i)
+    assert not bad([jnp.arange(3)]) and not bad([])
+    # Unscaled (a scale below 1): g * inv_scale overflows float32 -> non-finite.
+    assert bad([jnp.full((3,), 3.0e38)], scaled=False) is False
+    huge = jnp.float32(4.0)
+    assert bool(any_non_finite_fused([jnp.full((3,), 3.0e38)], huge, scaled=False))
+
+
+def test_fused_finiteness_check_past_one_reduction():
+    leaves = [jnp.full((i % 7 + 1,), 1.0) for i in range(2 * LEAVES_PER_REDUCTION + 5)]
+    check = jax.jit(lambda leaves: any_non_finite_fused(leaves, jnp.float32(1.0), scaled=True))
+    assert not bool(check(leaves))
+    for i in (0, LEAVES_PER_REDUCTION, len(leaves) - 1):
+        poisoned = leaves[:]
+        poisoned[i] = poisoned[i].at[0].set(jnp.nan)
+        assert bool(check(poisoned)), i
+
+
+def test_finiteness_check_per_platform():
+    # Decided at lowering: a GPU program gets one concatenated reduction, the CPU one the
+    # per-leaf "dot" check; both answer the same on CPU.
+    leaves = [jnp.ones((4, 3)), jnp.ones((5,))]
+
+    def f(leaves):
+        return any_non_finite(leaves, jnp.float32(0.5), scale_at_least_one=True, whole_leaves=True)
+
+    cuda = jax.jit(f).trace(leaves).lower(lowering_platforms=("cuda",)).as_text()
+    cpu = jax.jit(f).trace(leaves).lower(lowering_platforms=("cpu",)).as_text()
+    assert "dot_general" not in cuda and "tensor<17xf32>" in cuda
+    assert "dot_general" in cpu
+    assert int(f(leaves)) == 0
+    leaves[1] = leaves[1].at[2].set(jnp.inf)
+    assert int(f(leaves)) == 1 and int(jax.jit(f)(leaves)) == 1
+    finite, _ = check_finite(
+        leaves, jnp.float32(0.5), axis_name=None, debug=False, scale_at_least_one=True
+    )
+    assert not bool(finite)
