@@ -1,9 +1,9 @@
 """GPU memory of the GPU benchmark's train steps, measured without a GPU.
 
 ``make gpu-memory`` (or ``.venv-gpu/bin/python benchmarks/gpu_memory.py``) compiles the train
-steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders -- for an
-NVIDIA H200 (or ``--target h100``) on a CPU-only machine: a *deviceless* XLA:GPU compile
-through ``jax.experimental.topologies``. XLA's buffer assignment for the card comes out of
+steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders
+(``_gpu_models.py``, ``_gpu_steps.py``) -- for an NVIDIA H200 (or ``--target h100``) on a
+CPU-only machine: a *deviceless* XLA:GPU compile through ``jax.experimental.topologies``. XLA's buffer assignment for the card comes out of
 ``memory_analysis()``; on the H200 it matched the card's own figures within 40 KB (2026-11-26,
 ``shared/measurements/h200-2026-11-26.md``). Timings still need a card.
 
@@ -55,7 +55,7 @@ import jax  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _gpu_models  # noqa: E402
-import gpu_speedup  # noqa: E402
+import _gpu_steps  # noqa: E402
 
 import jmp_rewrite  # noqa: E402
 
@@ -197,10 +197,10 @@ def compile_variant(
     model: _gpu_models.Model, key: str, device: Any, lowering_platform: str
 ) -> tuple[Any, float]:
     """The compiled train step of ``model`` in variant ``key`` and its compile seconds."""
-    variant = gpu_speedup.VARIANTS[key]
-    tx, step = gpu_speedup.make_step(model, variant)
+    variant = _gpu_steps.VARIANTS[key]
+    tx, step = _gpu_steps.make_step(model, variant)
     sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
-    args = gpu_speedup.abstract_args(model, tx, sharding)
+    args = _gpu_steps.abstract_args(model, tx, sharding)
     precision = (
         jax.default_matmul_precision(variant.precision)
         if variant.precision
@@ -208,7 +208,7 @@ def compile_variant(
     )
     t0 = time.perf_counter()
     with precision:
-        traced = jax.jit(step, donate_argnums=gpu_speedup.DONATE).trace(*args)
+        traced = jax.jit(step, donate_argnums=_gpu_steps.DONATE).trace(*args)
         compiled = traced.lower(lowering_platforms=(lowering_platform,)).compile()
     return compiled, time.perf_counter() - t0
 
@@ -216,7 +216,7 @@ def compile_variant(
 def measure(compiled: Any) -> dict[str, Any]:
     m = compiled.memory_analysis()
     rec: dict[str, Any] = {
-        "peak_bytes": gpu_speedup.xla_peak_bytes(compiled),
+        "peak_bytes": _gpu_steps.xla_peak_bytes(compiled),
         "argument_bytes": int(m.argument_size_in_bytes),
         "output_bytes": int(m.output_size_in_bytes),
         "alias_bytes": int(m.alias_size_in_bytes),
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", choices=tuple(_gpu_models.BUILDERS), default=None)
     parser.add_argument("--dtypes", nargs="+", choices=tuple(BY_DTYPE), default=list(BY_DTYPE))
     parser.add_argument(
-        "--variants", nargs="+", choices=tuple(gpu_speedup.VARIANTS), default=None,
+        "--variants", nargs="+", choices=tuple(_gpu_steps.VARIANTS), default=None,
         help="default: f32 and the variants of --dtypes",
     )  # fmt: skip
     parser.add_argument("--target", choices=tuple(TARGETS), default="h200")
@@ -301,11 +301,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "host": f"{platform.machine()} CPU x{os.cpu_count()}",
             "date": time.strftime("%Y-%m-%d"),
             "jax": jax.__version__,
-            "jaxlib": gpu_speedup.version_of("jaxlib"),
-            "cuda_plugin": gpu_speedup.version_of("jax-cuda12-plugin"),
+            "jaxlib": _gpu_steps.version_of("jaxlib"),
+            "cuda_plugin": _gpu_steps.version_of("jax-cuda12-plugin"),
             "jmp_rewrite": jmp_rewrite.__version__,
-            "flax": gpu_speedup.version_of("flax"),
-            "optax": gpu_speedup.version_of("optax"),
+            "flax": _gpu_steps.version_of("flax"),
+            "optax": _gpu_steps.version_of("optax"),
             "python": platform.python_version(),
             "smoke": args.smoke,
             "argv": sys.argv[1:] if argv is None else list(argv),
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rec = {"error": f"{type(err).__name__}: {err}"[:2000]}
             rec_model["variants"][vkey] = rec
             rec_model["ratios"] = ratios(rec_model["variants"])
-            gpu_speedup.write_json(result, args.out)
+            _gpu_steps.write_json(result, args.out)
             if "peak_bytes" in rec:
                 print(
                     f"{key} {vkey}: peak {rec['peak_bytes'] / 2**30:.3f} GiB, temp "
