@@ -3,9 +3,9 @@
 ``make gpu-memory`` (or ``.venv-gpu/bin/python benchmarks/gpu_memory.py``) compiles the train
 steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders
 (``_gpu_models.py``, ``_gpu_steps.py``) -- for an NVIDIA H200 (or ``--target h100``) on a
-CPU-only machine: a *deviceless* XLA:GPU compile through ``jax.experimental.topologies``. XLA's buffer assignment for the card comes out of
-``memory_analysis()``; on the H200 it matched the card's own figures within 40 KB (2026-11-26,
-``shared/measurements/h200-2026-11-26.md``). Timings still need a card.
+CPU-only machine: a *deviceless* XLA:GPU compile through ``jax.experimental.topologies``.
+XLA's buffer assignment for the card comes out of ``memory_analysis()``; on the H200 it
+matched the card's own figures within 40 KB (2026-11-26). Timings still need a card.
 
 It needs jax/jaxlib with the CUDA plugin (``jax[cuda12]``, about 5.6 GB of wheels), so it has
 its own environment, ``.venv-gpu`` (made by ``make gpu-memory``; never part of ``make test``).
@@ -25,6 +25,10 @@ Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
 * ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
   ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
 
+``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
+not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles
+only the rewritten steps (the float32 and hand-written ones do not depend on jmp_rewrite).
+
 Full sizes are the card's (GPT-2 small B32 T1024, ResNet-50 B128 224x224, ViT-B/16 B128); a
 GPT compile takes minutes on two cores. ``--smoke`` compiles toy sizes (seconds);
 ``--platform cpu`` compiles for the host instead (no CUDA plugin needed; CPU memory is no
@@ -43,6 +47,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -238,6 +243,32 @@ def ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _ratio_of(model: dict[str, Any], key: str) -> float | None:
+    return next((v for k, v in model.get("ratios", {}).items() if k.startswith(key + "/")), None)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def take_baseline(result: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Fills in, from an earlier run, the variants this run did not compile (marked
+    ``from_baseline``), and records the earlier peaks and ratios as ``before``."""
+    for key, model in result["models"].items():
+        old = baseline.get("models", {}).get(key)
+        if old is None or old.get("config") != model["config"]:
+            continue
+        for vkey, rec in old["variants"].items():
+            if vkey not in model["variants"] and "peak_bytes" in rec:
+                model["variants"][vkey] = {**rec, "from_baseline": True}
+        model["ratios"] = ratios(model["variants"])
+        model["before"] = {
+            "peak_bytes": {k: r.get("peak_bytes") for k, r in old["variants"].items()},
+            "bytes_moved": {k: r.get("bytes_moved") for k, r in old["variants"].items()},
+            "ratios": old.get("ratios", {}),
+        }
+
+
 def print_table(result: dict[str, Any]) -> None:
     meta = result["meta"]
     unit, scale = ("MiB", 2.0**-20) if meta["smoke"] else ("GiB", 2.0**-30)
@@ -245,24 +276,34 @@ def print_table(result: dict[str, Any]) -> None:
         f"\n## {meta['target']} (deviceless XLA:GPU compile on {meta['host']}), "
         f"jax {meta['jax']}, {meta['date']}\n"
     )
-    head = (
-        f"| model | variant | peak {unit} | temp {unit} | rw/hand | moved GB | kernels | converts "
-        "| finite kernels | compile s |"
-    )
+    base = any("before" in m for m in result["models"].values())
+    head = f"| model | variant | peak {unit} | temp {unit} | rw/hand | moved GB | kernels "
+    head += "| converts | finite kernels | compile s |"
+    head += f" before: peak {unit} | rw/hand | moved GB |" if base else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for m in result["models"].values():
+        before = m.get("before", {})
         for key, r in m["variants"].items():
             if "peak_bytes" not in r:
                 print(f"| {m['key']} | {key} | {r.get('error', '?')[:80]} |")
                 continue
-            ratio = next((v for k, v in m["ratios"].items() if k.startswith(key + "/")), None)
-            print(
+            line = (
                 f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
-                f"| {r['temp_bytes'] * scale:.2f} | {'-' if ratio is None else f'{ratio:.3f}'} "
+                f"| {r['temp_bytes'] * scale:.2f} | {_fmt(_ratio_of(m, key), '.3f')} "
                 f"| {r['bytes_moved'] / 1e9:.2f} | {r['kernels']} | {r['converts']} "
-                f"| {r['finite_kernels']} | {r['compile_s']:.0f} |"
+                f"| {r['finite_kernels']} "
+                f"| {'(baseline)' if r.get('from_baseline') else format(r['compile_s'], '.0f')} |"
             )
+            if base:
+                peak = before.get("peak_bytes", {}).get(key)
+                moved = before.get("bytes_moved", {}).get(key)
+                line += (
+                    f" {_fmt(None if peak is None else peak * scale, '.2f')} "
+                    f"| {_fmt(_ratio_of(before, key), '.3f')} "
+                    f"| {_fmt(None if moved is None else moved / 1e9, '.2f')} |"
+                )
+            print(line)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -281,6 +322,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
     parser.add_argument("--dump-hlo", type=Path, default=None, help="folder for optimised HLO")
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="an earlier run's JSON: printed beside this one, and the source of the variants "
+        "not compiled now (e.g. --variants rw-bf16 rw-f16 rw-f16-lso after a painting change: "
+        "the float32 and hand-written steps do not depend on jmp_rewrite)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     models = args.models or list(_gpu_models.BUILDERS)
     variants = args.variants or ["f32", *(v for d in args.dtypes for v in BY_DTYPE[d])]
@@ -345,6 +392,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
             else:
                 print(f"{key} {vkey}: {rec['error'][:500]}", flush=True)
+    if args.baseline is not None:
+        take_baseline(result, json.loads(args.baseline.read_text()))
+        _gpu_steps.write_json(result, args.out)
     print_table(result)
     return result
 

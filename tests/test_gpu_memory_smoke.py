@@ -61,6 +61,31 @@ def test_hlo_accounting():
     assert stats["converts"] == 1
 
 
+def test_baseline_fills_in_variants_not_compiled_now():
+    import gpu_memory
+
+    config = {"batch": 2}
+    now = {"models": {"gpt": {"config": config, "variants": {"rw-bf16": {"peak_bytes": 90}}}}}
+    before = {
+        "models": {
+            "gpt": {
+                "config": config,
+                "variants": {"rw-bf16": {"peak_bytes": 120}, "hand-bf16": {"peak_bytes": 100}},
+                "ratios": {"rw-bf16/hand-bf16": 1.2},
+            }
+        }
+    }
+    gpu_memory.take_baseline(now, before)
+    gpt = now["models"]["gpt"]
+    assert gpt["variants"]["hand-bf16"] == {"peak_bytes": 100, "from_baseline": True}
+    assert gpt["ratios"] == {"rw-bf16/hand-bf16": 0.9}
+    assert gpt["before"]["ratios"] == {"rw-bf16/hand-bf16": 1.2}
+    assert gpt["before"]["peak_bytes"]["rw-bf16"] == 120
+    other = {"models": {"gpt": {"config": {"batch": 4}, "variants": {}, "ratios": {}}}}
+    gpu_memory.take_baseline(other, before)  # other sizes: nothing taken
+    assert "before" not in other["models"]["gpt"]
+
+
 def test_smoke_run_on_the_host(tmp_path):
     out = tmp_path / "gpu_memory.json"
     env = {
