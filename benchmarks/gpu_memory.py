@@ -19,9 +19,9 @@ Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
 * ``moved``: bytes each kernel of the optimised HLO reads and writes (operands and results of
   every fusion, library call and unfused op; for a ``conditional``, its costliest branch):
   XLA's ``cost_analysis`` is not available without a device, so it is counted from the HLO;
-* ``kernels`` (launches: fusions, cuBLAS/cuDNN calls, unfused ops), ``converts`` (convert ops
-  in the optimised HLO, fused or not) and ``finite kernels`` (kernels of the loss-scale
-  optimizer's finiteness check: the ``check_finite`` name scope);
+* ``kernels`` (launches: fusions, cuBLAS/cuDNN calls, unfused ops) and ``converts`` (convert
+  ops in the optimised HLO, fused or not); per model, the kernels loss scaling adds
+  (``rw-f16-lso`` over ``rw-f16``, Flax's ``hand-f16-dynscale`` over ``hand-f16``);
 * ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
   ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
 
@@ -110,8 +110,6 @@ BY_DTYPE = {
 PAIRS = {"rw-bf16": "hand-bf16", "rw-f16": "hand-f16", "rw-f16-lso": "hand-f16-dynscale"}
 #: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
 FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
-#: Name scope of the loss-scale optimizer's finiteness check (``finite.check_finite``).
-FINITE_SCOPE = "check_finite"
 
 # ------------------------------------------------------------------------------------------
 # Optimised HLO: kernels, converts, bytes moved
@@ -157,13 +155,12 @@ def _computations(text: str) -> tuple[dict[str, list[tuple[str, ...]]], str | No
     return comps, entry
 
 
-def hlo_stats(text: str, scope: str = FINITE_SCOPE) -> dict[str, int]:
+def hlo_stats(text: str) -> dict[str, int]:
     """Kernels, bytes moved and converts of an optimised HLO module (see the module doc)."""
     comps, entry = _computations(text)
 
     def walk(name: str) -> dict[str, int]:
         out = dict.fromkeys(("kernels", "fusions", "library_calls", "bytes_moved"), 0)
-        out["scope_kernels"] = 0
         shapes = {n: s for n, s, _, _ in comps.get(name, [])}
         for _, shape, op, rest in comps.get(name, []):
             if op == "conditional":
@@ -185,7 +182,6 @@ def hlo_stats(text: str, scope: str = FINITE_SCOPE) -> dict[str, int]:
             out["bytes_moved"] += shape_bytes(shape) + sum(
                 shape_bytes(shapes.get(o, "")) for o in operands
             )
-            out["scope_kernels"] += f"/{scope}/" in rest or f"({scope})" in rest
         return out
 
     stats = walk(entry) if entry else {}
@@ -229,7 +225,6 @@ def measure(compiled: Any) -> dict[str, Any]:
     }
     stats = hlo_stats(compiled.as_text())
     rec.update(stats)
-    rec["finite_kernels"] = rec.pop("scope_kernels")
     return rec
 
 
@@ -243,12 +238,32 @@ def ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+#: Loss-scaled variant -> the same step without loss scaling.
+LOSS_SCALED = {"rw-f16-lso": "rw-f16", "hand-f16-dynscale": "hand-f16"}
+
+
+def loss_scaling_kernels(variants: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Kernels each loss-scaled variant adds to the same step without loss scaling."""
+    out = {}
+    for scaled, plain in LOSS_SCALED.items():
+        a, b = variants.get(scaled, {}), variants.get(plain, {})
+        if "kernels" in a and "kernels" in b:
+            out[f"{scaled} - {plain}"] = a["kernels"] - b["kernels"]
+    return out
+
+
 def _ratio_of(model: dict[str, Any], key: str) -> float | None:
     return next((v for k, v in model.get("ratios", {}).items() if k.startswith(key + "/")), None)
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def summarise(model: dict[str, Any]) -> None:
+    """Sets a model record's ``ratios`` and ``loss_scaling_kernels`` from its variants."""
+    model["ratios"] = ratios(model["variants"])
+    model["loss_scaling_kernels"] = loss_scaling_kernels(model["variants"])
 
 
 def take_baseline(result: dict[str, Any], baseline: dict[str, Any]) -> None:
@@ -261,11 +276,12 @@ def take_baseline(result: dict[str, Any], baseline: dict[str, Any]) -> None:
         for vkey, rec in old["variants"].items():
             if vkey not in model["variants"] and "peak_bytes" in rec:
                 model["variants"][vkey] = {**rec, "from_baseline": True}
-        model["ratios"] = ratios(model["variants"])
+        summarise(model)
         model["before"] = {
             "peak_bytes": {k: r.get("peak_bytes") for k, r in old["variants"].items()},
             "bytes_moved": {k: r.get("bytes_moved") for k, r in old["variants"].items()},
-            "ratios": old.get("ratios", {}),
+            "ratios": ratios(old["variants"]),
+            "loss_scaling_kernels": loss_scaling_kernels(old["variants"]),
         }
 
 
@@ -278,7 +294,7 @@ def print_table(result: dict[str, Any]) -> None:
     )
     base = any("before" in m for m in result["models"].values())
     head = f"| model | variant | peak {unit} | temp {unit} | rw/hand | moved GB | kernels "
-    head += "| converts | finite kernels | compile s |"
+    head += "| converts | compile s |"
     head += f" before: peak {unit} | rw/hand | moved GB |" if base else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -292,7 +308,6 @@ def print_table(result: dict[str, Any]) -> None:
                 f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
                 f"| {r['temp_bytes'] * scale:.2f} | {_fmt(_ratio_of(m, key), '.3f')} "
                 f"| {r['bytes_moved'] / 1e9:.2f} | {r['kernels']} | {r['converts']} "
-                f"| {r['finite_kernels']} "
                 f"| {'(baseline)' if r.get('from_baseline') else format(r['compile_s'], '.0f')} |"
             )
             if base:
@@ -304,6 +319,11 @@ def print_table(result: dict[str, Any]) -> None:
                     f"| {_fmt(None if moved is None else moved / 1e9, '.2f')} |"
                 )
             print(line)
+    for m in result["models"].values():
+        for name, n in m.get("loss_scaling_kernels", {}).items():
+            was = m.get("before", {}).get("loss_scaling_kernels", {}).get(name)
+            was = "" if was is None else f" (before: {was})"
+            print(f"{m['key']}: loss scaling adds {n} kernels, {name}{was}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -381,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as err:  # noqa: BLE001 - record it, go on with the rest
                 rec = {"error": f"{type(err).__name__}: {err}"[:2000]}
             rec_model["variants"][vkey] = rec
-            rec_model["ratios"] = ratios(rec_model["variants"])
+            summarise(rec_model)
             _gpu_steps.write_json(result, args.out)
             if "peak_bytes" in rec:
                 print(
