@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "models": {},
     }
+    unit, scale = ("MiB", 2.0**-20) if args.smoke else ("GiB", 2.0**-30)
     for key in models:
         sizes = _gpu_models.SMOKE_SIZES[key] if args.smoke else FULL_SIZES[key]
         model = _gpu_models.BUILDERS[key](**sizes)
@@ -405,9 +406,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             _gpu_steps.write_json(result, args.out)
             if "peak_bytes" in rec:
                 print(
-                    f"{key} {vkey}: peak {rec['peak_bytes'] / 2**30:.3f} GiB, temp "
-                    f"{rec['temp_bytes'] / 2**30:.3f} GiB, moved {rec['bytes_moved'] / 1e9:.2f} "
-                    f"GB, {rec['kernels']} kernels, compile {rec['compile_s']:.0f} s",
+                    f"{key} {vkey}: peak {rec['peak_bytes'] * scale:.3f} {unit}, temp "
+                    f"{rec['temp_bytes'] * scale:.3f} {unit}, moved "
+                    f"{rec['bytes_moved'] / 1e9:.2f} GB, {rec['kernels']} kernels, "
+                    f"compile {rec['compile_s']:.0f} s",
                     flush=True,
                 )
             else:
