@@ -33,6 +33,15 @@ define venv
 	$(BIN)/python -m pip install -q -e '.[$(1)]'
 endef
 
+# make gpu-memory: the GPU memory of the GPU benchmark's train steps, compiled for an H200 on
+# this CPU-only machine (benchmarks/gpu_memory.py); its own environment, .venv-gpu, holds jax
+# with the CUDA plugin (~5.6 GB of wheels: never part of make test). ARGS go to the script,
+# e.g. make gpu-memory ARGS="--models gpt --dtypes bf16".
+GPU_VENV ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_JAX ?= 0.11.2
+GPU_PYTHON ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3))),python3)
+
 $(STAMP): pyproject.toml
 	$(call venv,test$(comma)demo)
 	touch $(STAMP) $(DEMO_STAMP)
@@ -41,7 +50,7 @@ $(DEMO_STAMP): pyproject.toml
 	$(call venv,demo)
 	touch $(DEMO_STAMP)
 
-.PHONY: test test-newest demo lint format bench figures clean
+.PHONY: test test-newest demo lint format bench figures gpu-memory clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check jmp_rewrite tests benchmarks
@@ -72,5 +81,14 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
 
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q "jax[cuda12]==$(GPU_JAX)" flax -e .
+	touch $(GPU_STAMP)
+
+gpu-memory: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
+
 clean:
-	rm -rf .venv .venv-newest .pytest_cache runs
+	rm -rf .venv .venv-newest .venv-gpu .pytest_cache runs

@@ -30,7 +30,11 @@ Variants (in this order of priority: with a short budget the later passes are sk
   float32 normalisation statistics and loss), the baseline a Flax user has today;
 * ``rw-f16-lso``: ``rewrite(dtype=float16)`` with ``loss_scale_optimizer`` (``lax.cond``);
 * ``rw-f16-lso-select``: the same with ``loss_scale_optimizer(use_select=True)``;
-* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``.
+* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``;
+* only when named with ``--variants``: ``rw-f16`` (``rewrite(dtype=float16)``, no loss
+  scaling), ``hand-f16`` (Flax's ``dtype=jnp.float16``) and ``hand-f16-dynscale`` (that model
+  with ``flax.training.dynamic_scale.DynamicScale`` and ``jnp.where`` on the new parameters
+  and optimizer state, as Flax's ImageNet example trains in float16).
 
 Reported per model and variant: median step time, speed-up over ``f32``, speed ratio to
 ``hand-bf16`` (``t_hand / t``: above 1 is faster), achieved TFLOP/s and MFU (matmul and
@@ -52,27 +56,34 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from importlib import metadata  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _gpu_models  # noqa: E402
+from _gpu_steps import (  # noqa: E402
+    DEFAULT_VARIANTS,
+    DONATE,
+    VARIANTS,
+    Variant,
+    abstract_args,
+    make_step,
+    version_of,
+    write_json,
+    xla_peak_bytes,
+)
 
 import jmp_rewrite  # noqa: E402
 
@@ -95,36 +106,6 @@ PEAK_TFLOPS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    key: str
-    rewrite_dtype: Any = None  # jmp_rewrite.rewrite(step, dtype=...)
-    hand_dtype: Any = None  # Flax-style compute dtype of the model itself
-    loss_scale: bool = False
-    use_select: bool = False
-    precision: str | None = None  # jax.default_matmul_precision while tracing
-    cuda_lists: bool = False  # bf16 with TF's CUDA (float16) lists instead of oneDNN's
-
-    @property
-    def tf32(self) -> bool | None:
-        if self.precision is None:
-            return None  # half precision: TF32 does not apply
-        return self.precision == "tensorfloat32" and jax.default_backend() == "gpu"
-
-
-VARIANTS = {
-    v.key: v
-    for v in (
-        Variant("f32", precision="highest"),
-        Variant("rw-bf16", rewrite_dtype=jnp.bfloat16),
-        Variant("hand-bf16", hand_dtype=jnp.bfloat16),
-        # Issue 8 item 7: which lists bfloat16 should get on GPUs (loss error ties on CPU).
-        Variant("rw-bf16-cuda-lists", rewrite_dtype=jnp.bfloat16, cuda_lists=True),
-        Variant("rw-f16-lso", rewrite_dtype=jnp.float16, loss_scale=True),
-        Variant("rw-f16-lso-select", rewrite_dtype=jnp.float16, loss_scale=True, use_select=True),
-        Variant("f32-tf32", precision="tensorfloat32"),
-    )
-}
 #: XLA flags for ``--smoke``: LLVM's optimisations take most of XLA:CPU's compile time.
 SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 #: Passes over the models: every model gets the headline variants before any gets the rest.
@@ -134,48 +115,13 @@ PASSES = (
     ("rw-bf16-cuda-lists",),
     ("rw-f16-lso-select",),
     ("f32-tf32",),
+    ("rw-f16", "hand-f16", "hand-f16-dynscale"),
 )
 
 
 # ------------------------------------------------------------------------------------------
 # Train steps
 # ------------------------------------------------------------------------------------------
-
-
-def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
-    """``(tx, step)`` with ``step(params, state, opt_state, inputs, labels)``."""
-    loss_fn = model.make_loss(variant.hand_dtype)
-    if variant.loss_scale:
-        tx = jmp_rewrite.loss_scale_optimizer(
-            optax.adam(model.learning_rate), use_select=variant.use_select
-        )
-
-        def step(params, state, opt_state, inputs, labels):
-            (loss, new_state), grads = jmp_rewrite.value_and_grad(loss_fn, has_aux=True)(
-                opt_state, params, state, inputs, labels
-            )
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_state, opt_state, loss
-
-    else:
-        tx = optax.adam(model.learning_rate)
-
-        @jmp_rewrite.float32_region  # Adam in float32 under the rewrite; no-op otherwise
-        def update(grads, opt_state, params):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def step(params, state, opt_state, inputs, labels):
-            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, state, inputs, labels
-            )
-            params, opt_state = update(grads, opt_state, params)
-            return params, new_state, opt_state, loss
-
-    if variant.rewrite_dtype is not None:
-        lists = jmp_rewrite.default_lists(jnp.float16) if variant.cuda_lists else None
-        step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists)
-    return tx, step
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -245,21 +191,6 @@ def _cost_flops(compiled: Any) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-def _xla_peak_bytes(compiled: Any) -> int | None:
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001
-        return None
-    if m is None:
-        return None
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def _memory_stats() -> dict[str, Any]:
     stats = jax.devices()[0].memory_stats()
     return stats or {}
@@ -285,12 +216,9 @@ def run_variant(
     nothing is allocated, compiled or run: a check of the full-size code paths on any machine.
     """
     tx, step = make_step(model, variant)
-    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    jitted = jax.jit(step, donate_argnums=DONATE)
     if trace_only:
-        spec = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
-        params, state = jax.tree.map(spec, model.params), jax.tree.map(spec, model.state)
-        opt_state = jax.eval_shape(tx.init, params)
-        inputs, labels = spec(model.inputs), spec(model.labels)
+        params, state, opt_state, inputs, labels = abstract_args(model, tx)
     else:
         params, state = jax.device_put(model.params), jax.device_put(model.state)
         opt_state = tx.init(params)
@@ -320,7 +248,7 @@ def run_variant(
     compiled = lowered.compile()
     rec["compile_s"] = time.perf_counter() - t2
     rec["xla_flops"] = _cost_flops(compiled)
-    rec["xla_peak_bytes"] = _xla_peak_bytes(compiled)
+    rec["xla_peak_bytes"] = xla_peak_bytes(compiled)
     del traced, lowered
     times, losses, applied = [], [], []
     for i in range(warmup + steps):
@@ -471,22 +399,6 @@ def print_table(result: dict[str, Any]) -> None:
             )
 
 
-def write_json(result: dict[str, Any], path: Path | None) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, path)
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def peak_for(device_kind: str) -> float | None:
     for needle, peak in PEAK_TFLOPS:
         if needle.lower() in device_kind.lower():
@@ -531,7 +443,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         choices=tuple(VARIANTS),
         default=None,
-        help="default: all but f32-tf32 (which --tf32 adds)",
+        help="default: all but f32-tf32 (which --tf32 adds) and the float16 extras "
+        "(rw-f16, hand-f16, hand-f16-dynscale)",
     )
     parser.add_argument(
         "--trace-only",
@@ -571,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         budget = args.budget_s
     else:
         budget = math.inf if args.smoke else 480.0
-    variants = args.variants or [k for k in VARIANTS if k != "f32-tf32" or args.tf32]
+    variants = args.variants or [k for k in DEFAULT_VARIANTS if k != "f32-tf32" or args.tf32]
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if args.smoke:  # before the backend starts: cheaper code generation (toy sizes, any speed)
         os.environ["XLA_FLAGS"] = " ".join(
@@ -597,10 +510,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "meta": {
             "jax": jax.__version__,
-            "jaxlib": _version("jaxlib"),
+            "jaxlib": version_of("jaxlib"),
             "jmp_rewrite": jmp_rewrite.__version__,
-            "flax": _version("flax"),
-            "optax": _version("optax"),
+            "flax": version_of("flax"),
+            "optax": version_of("optax"),
             "python": platform.python_version(),
             "platform": dev.platform,
             "device_kind": dev.device_kind,

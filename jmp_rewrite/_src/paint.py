@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
+from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import Graph, Node, is_f32
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
@@ -130,7 +133,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "cumsum"})
 
 
 def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
-    """Normalization statistics -- mean, variance and their ``rsqrt`` -- stay float32.
+    """Normalization statistics -- mean, variance and their ``rsqrt`` -- stay float32, and
+    spread no deny.
 
     TF's ``FusedBatchNorm*`` computes them in float32 whatever ``T`` is (its ``U``
     attribute), and Flax casts to float32 for them; in a float32 program that cast is a
@@ -138,6 +142,14 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
     infer) compute ``E[x**2] - E[x]**2`` in half. From every ``rsqrt``, the chain back to
     the reductions (and, past them, the squares and centring they sum) keeps float32; allow
     ops (the matmul or conv producing ``x``) and any other op past a reduction stop it.
+
+    The fused op is *infer* on TF's float16 list (Keras's ``LayerNormalization`` runs
+    through it too): its statistics, float32 inside, never make the normalized activations
+    float32. Decomposed, the float16 lists' ``reduce_sum`` (TF ``Sum``/``Mean``) is deny, and
+    kept float32 here it would still spread deny through the normalization, the residual add
+    and the ReLU, storing the residual stream in float32 beside its half copy (ResNet-50
+    float16: +1.10 GiB on an H200). So the statistics kept float32 are unlisted: float32,
+    spreading nothing, as inside TF's fused op.
     """
 
     def eligible(n: Node) -> bool:
@@ -179,6 +191,61 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
         lambda n: eligible(n) and (n.key in _STATISTIC_INPUTS or n.key in _REDUCTIONS),
     )
     _keep_float32(g, p, keep, "keep_normalization_statistics_float32")
+    for i in keep:
+        if g.nodes[i].kind == DENY:
+            g.nodes[i].kind = UNLISTED
+
+
+#: Functions whose limit at +-Inf is finite and exact (``tanh(inf) == 1``).
+_SATURATING = frozenset({"tanh", "logistic", "erf"})
+#: Powers TF calls ``Pow`` (deny in float16): they overflow half before their input does.
+_POWERS = frozenset({"integer_pow", "polynomial"})
+_CHAIN_LIMIT = 8
+
+
+def _saturates(g: Graph, v: int) -> bool:
+    """Whether ``v``'s value only ever reaches a saturating function, unshared and with an
+    infinity kept infinite on the way: each step is the one reader of the last, and is a
+    product with a nonzero literal or a sum or difference with one other operand."""
+    for _ in range(_CHAIN_LIMIT):
+        n = g.nodes[v]
+        if len(n.fanout) != 1 or n.feeds_output:
+            return False
+        c = g.nodes[n.fanout[0]]
+        if c.key in _SATURATING:
+            return True
+        if c.eqn is None or c.fanin.count(v) != 1:
+            return False
+        if c.key == "mul":
+            literals = [a for a in c.eqn.invars if jc.is_literal(a)]
+            if len(c.fanin) != 1 or len(literals) != len(c.eqn.invars) - 1:
+                return False
+            if not all(np.all(np.asarray(jc.literal_value(a)) != 0) for a in literals):
+                return False
+        elif c.key not in ("add", "sub"):
+            return False
+        v = c.id
+    return False
+
+
+def release_saturated_powers(g: Graph, p: Painting) -> None:
+    """A power that only feeds a saturating function spreads no deny.
+
+    No TF pass; TF has no GELU op. The tanh-GELU, ``0.5 x (1 + tanh(c (x + 0.044715
+    x**3)))``, holds an ``x**3``: TF ``Pow``, deny on the float16 list, as it overflows half
+    for |x| > 40. Deny spread from it keeps the whole GELU float32, forward and backward, and
+    its float32 tanh is stored for the backward pass beside the half activations (GPT-2
+    small, float16: +2.25 GiB on an H200 over the hand-written model). But the power's value
+    reaches only the tanh, through a scaling and a sum, and there an overflow is harmless:
+    an infinite argument gives ``tanh = +-1`` exactly, GELU's own limit (``x`` or ``0``),
+    which is what a hand-written float16 GELU computes. Such a power is unlisted instead:
+    computed in float32, spreading nothing; the rest of the GELU follows its neighbours.
+    A power whose value is read anywhere else (or an output) stays deny.
+    """
+    for n in g.nodes:
+        if n.kind == DENY and n.key in _POWERS and n.process and _saturates(g, n.id):
+            n.kind = UNLISTED
+            p.painted_by[n.id] = "release_saturated_powers"
 
 
 def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:
@@ -294,6 +361,34 @@ def remove_allow_without_float32(g: Graph, p: Painting) -> None:
             p.painted_by[n.id] = "remove_allow_without_float32"
 
 
+def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
+    """A float32 value read in float32 is never a round trip through half precision.
+
+    Differs from TF on purpose. Pass 5 paints a clear op half when a half op is next to it,
+    either way: the ``broadcast_in_dim`` of a LayerNorm scale, shared by the forward float32
+    ``mul`` and the backward half ``mul``, becomes half, and TF's
+    ``ChangeTypeAttrsAndAddCasts`` would cast the float32 parameter to half before it and
+    back to float32 for the float32 reader: a silent rounding of a float32 computation
+    (GPT-2's first LayerNorm). Here a clear op painted half with no half input -- data
+    movement of float32 values -- stays float32 when a float32 op (or an output) reads it,
+    with the clear ops above it that have no half input either; its half readers cast after
+    it instead. As many casts, nothing rounded that was not rounded before.
+    """
+    copies: set[int] = set()  # clear ops painted half that only move float32 values
+    for n in g.nodes:  # graph order: inputs first (a loop's back edge only makes it miss one)
+        if n.id in p.allow and n.kind == CLEAR:
+            if all(f in copies or f not in p.allow for f in n.fanin):
+                copies.add(n.id)
+    read_in_float32 = [
+        v
+        for v in copies
+        if g.nodes[v].feeds_output or any(c not in p.allow for c in g.nodes[v].fanout)
+    ]
+    for v in _walk_up(g, read_in_float32, lambda n: n.id in copies):
+        p.allow.discard(v)
+        p.painted_by[v] = "keep_float32_reads_unrounded"
+
+
 def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
     """TF ``MakeCastsAllowIfAllOutputsAllow``: a user's cast to float32 feeding only
     half-precision consumers casts to half instead (``bool -> f32 -> matmul`` becomes
@@ -332,6 +427,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     keep_output_copies_float32(g, p)
     keep_state_updates_float32(g, p)
     keep_normalization_statistics_float32(g, p)
+    release_saturated_powers(g, p)
     add_allowlist_ops(g, p, force_all)
     if not p.allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False
@@ -343,6 +439,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
         add_infer_to_allow_if_follow_allow(g, p)
     propagate_allow_through_clear(g, p)
     remove_allow_without_float32(g, p)
+    keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
     if not any(g.nodes[n].float32 for n in p.allow):
