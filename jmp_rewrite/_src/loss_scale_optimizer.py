@@ -260,6 +260,13 @@ def _update(
     params: ArrayTree | None,
     extra_args: dict[str, Any],
 ) -> tuple[ArrayTree, LossScaleOptimizerState]:
+    if not isinstance(state, LossScaleOptimizerState):
+        raise TypeError(
+            "the update of a jmp_rewrite.loss_scale_optimizer expects the state its own init "
+            f"returns (a LossScaleOptimizerState); got a {type(state).__name__}, perhaps the "
+            "state of the optimizer it wraps (a checkpoint saved before wrapping). Wrap that "
+            "state instead: state = tx.init(params)._replace(inner_state=old_state)"
+        )
     rule = options.scale_rule
     loss_scale = jnp.asarray(state.loss_scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / loss_scale
