@@ -33,6 +33,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
 from jmp_rewrite._src.regions import in_float32_region
 
 #: Kinds of higher-order equation whose body is inlined as a call.
@@ -90,6 +91,7 @@ def op_key(eqn: Any, lists: Any) -> str:
     """The list key of an equation: its primitive name, or a virtual key.
 
     ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
+    a ``dot_general`` that contracts nothing is an ``outer_product`` (TF Mul, infer);
     a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose
     (``transpose(jvp(log_softmax))``) is not: TF's gradients of fused ops are separate ops
     (LogSoftmax's is Exp, Sum, Mul, Sub, with Exp deny), so the backward pass is painted
@@ -97,8 +99,9 @@ def op_key(eqn: Any, lists: Any) -> str:
     """
     name = eqn.primitive.name
     if name == "integer_pow":
-        y = eqn.params["y"]
-        return "reciprocal" if y == -1 else "square" if y == 2 else "integer_pow"
+        return integer_pow_key(eqn.params["y"])
+    if name == "dot_general":
+        return dot_general_key(eqn.params["dimension_numbers"])
     if ho.jit_name(eqn) and "transpose(" not in ho.jit_name(eqn):
         unit = "jit:" + unit_name(ho.jit_name(eqn))
         if lists.kind(unit) != "unlisted":

@@ -19,6 +19,10 @@ painter computes for one primitive with several meanings:
 * ``integer_pow`` is split by its exponent (:func:`integer_pow_key`): ``y == -1`` is key
   ``reciprocal`` (TF ``Reciprocal``), ``y == 2`` is key ``square`` (TF ``Square``), any other
   ``y`` stays ``integer_pow`` (TF ``Pow``).
+* A ``dot_general`` without contracting dimensions (``jnp.einsum("i,j->ij", ...)``,
+  ``jnp.outer``) is key ``outer_product`` (:func:`dot_general_key`): TF ``Mul`` (infer), not a
+  matmul. It does no tensor-core work, and painted allow it would round its operands to half
+  before multiplying (RoPE's ``position x frequency`` angles, up to thousands of radians).
 * A ``jit`` equation whose ``params["name"]`` is ``N`` is looked up as ``jit:N``
   (:func:`jit_key`). When that key is on a list the painter treats the whole call as one op of
   that list, like TF's fused op, instead of seeing through it. ``jax.nn.log_softmax`` is
@@ -179,6 +183,11 @@ _def_infer("TF AvgPool/AvgPoolGrad (sum window, then div)", "reduce_window_sum")
 _def_infer(
     "TF Inv/Reciprocal: virtual key for integer_pow(y=-1) (also Pallas's reciprocal)",
     "reciprocal",
+)
+_def_infer(
+    "TF Mul: virtual key for a dot_general without contracting dimensions (an outer product, "
+    "einsum 'i,j->ij' as in RoPE's angles): a broadcast multiply, no tensor-core work",
+    "outer_product",
 )
 # TF lists Softmax/LogSoftmax/Softplus/Elu/Selu/Softsign as infer, not deny (TF's own docstring
 # calls Softmax a deny op; the code disagrees): fused kernels that are fine in half. JAX
@@ -512,7 +521,7 @@ NON_FLOAT: Mapping[str, str] = types.MappingProxyType(_NON_FLOAT)
 #: ``integer_pow`` exponents with their own key (everything else is ``integer_pow``: TF Pow).
 INTEGER_POW_KEYS: Mapping[int, str] = types.MappingProxyType({-1: "reciprocal", 2: "square"})
 #: Keys that are not JAX primitives; the painter computes them.
-VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal"})
+VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal", "outer_product"})
 #: The named-jit keys this module puts on lists.
 JIT_UNIT_KEYS: frozenset[str] = frozenset(k for k in _REASONS if k.startswith(JIT_UNIT_PREFIX))
 
@@ -548,6 +557,24 @@ _TF_NAME_HINTS: Mapping[str, str] = types.MappingProxyType(
         "inv": "reciprocal",
     }
 )
+
+
+def dot_general_key(dimension_numbers: Any) -> str:
+    """The op key of a ``dot_general`` equation with ``dimension_numbers``.
+
+    Args:
+      dimension_numbers: the equation's ``params["dimension_numbers"]``,
+        ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+
+    Returns:
+      ``"outer_product"`` when nothing is contracted (TF Mul), else ``"dot_general"``.
+
+    Example:
+      >>> dot_general_key((((1,), (0,)), ((), ()))), dot_general_key((((), ()), ((), ())))
+      ('dot_general', 'outer_product')
+    """
+    (lhs_contract, _), _ = dimension_numbers
+    return "dot_general" if len(lhs_contract) else "outer_product"
 
 
 def integer_pow_key(y: int) -> str:
