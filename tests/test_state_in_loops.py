@@ -82,3 +82,40 @@ def test_item3_rope_angles_are_not_rounded(dtype):
     (outer,) = [e for e in paint if e.key == "outer_product"]
     assert outer.list == "infer" and outer.colour == "float32"
     assert [e.colour for e in paint if e.key == "dot_general"] == ["allow"]
+
+
+# ------------------------------------------------------------------------------------------
+# Item 4: log-softmax's backward is float32, as TF's LogSoftmax gradient (its Exp is deny)
+# ------------------------------------------------------------------------------------------
+
+
+def log_softmax_loss(w: jax.Array, x: jax.Array, y: jax.Array, half: Any = None) -> jax.Array:
+    """``half``: by hand, the matmul in half, the loss and its gradient in float32."""
+    logits = x @ w if half is None else (x.astype(half) @ w.astype(half)).astype(jnp.float32)
+    return -(jax.nn.log_softmax(logits) * y).sum()
+
+
+def _backward_unit_paths(paint: Any) -> list[Any]:
+    """The equations of the log-softmax gradient (the ``jit`` after the loss's reduction)."""
+    rows = list(paint)
+    last_jit = max(i for i, e in enumerate(rows) if e.path == "jit" or e.path.endswith("/jit"))
+    return [e for e in rows[last_jit + 1 :] if "/jit/" in f"/{e.path}"]
+
+
+@DTYPES
+@pytest.mark.parametrize("wrap", ["plain", "checkpoint", "jit"])
+def test_item4_log_softmax_gradient_is_float32(dtype, wrap):
+    x, w = f32(0, 256, 64), f32(1, 64, 512, scale=0.5)
+    y = jax.nn.one_hot(np.random.default_rng(2).integers(0, 512, 256), 512)
+    loss = {"plain": log_softmax_loss, "checkpoint": jax.checkpoint(log_softmax_loss)}.get(
+        wrap, jax.jit(log_softmax_loss)
+    )
+    grad = jax.grad(loss)
+    got = jmp_rewrite.rewrite(grad, dtype=dtype)(w, x, y)
+    hand = jax.grad(log_softmax_loss)(w, x, y, dtype)
+    assert_not_worse(got, hand, grad(w, x, y), "gradient of the weights")
+    # The gradient's result (the add_any of TF's Sub) and the product with exp are float32.
+    paint = jmp_rewrite.paint(grad, w, x, y, dtype=dtype)
+    final = [e for e in paint if e.key in ("add_any", "mul") and "jit/" in e.path][-2:]
+    assert [e.key for e in final] == ["mul", "add_any"] and not any(e.half for e in final), paint
+    assert [e.list for e in paint if e.primitive == "exp" and "/output" in e.path] == ["deny"]

@@ -87,22 +87,30 @@ def unit_name(jit_name: str) -> str:
     return match.group(1) if match else (jit_name or "")
 
 
-def op_key(eqn: Any, lists: Any) -> str:
+def in_backward_pass(outer: bool, eqn: Any) -> bool:
+    """Whether ``eqn`` belongs to a backward pass, ``outer`` telling whether the equation
+    holding its jaxpr does: JAX names the transposed equations ``transpose(...)`` in their
+    name stack, and a rematerialised forward inside the backward ``rematted_computation``."""
+    stack = jc.name_stack(eqn)
+    return (outer or "transpose(" in stack) and "rematted_computation" not in stack
+
+
+def op_key(eqn: Any, lists: Any, backward: bool = False) -> str:
     """The list key of an equation: its primitive name, or a virtual key.
 
     ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
     a ``dot_general`` that contracts nothing is an ``outer_product`` (TF Mul, infer);
-    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose
-    (``transpose(jvp(log_softmax))``) is not: TF's gradients of fused ops are separate ops
-    (LogSoftmax's is Exp, Sum, Mul, Sub, with Exp deny), so the backward pass is painted
-    primitive by primitive.
+    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose (JAX
+    keeps the name ``log_softmax`` under a ``transpose(jvp())`` name stack: ``backward``) is
+    not: TF's gradients of fused ops are separate ops (LogSoftmax's is Exp, Sum, Mul, Sub,
+    with Exp deny), so the backward pass is painted primitive by primitive.
     """
     name = eqn.primitive.name
     if name == "integer_pow":
         return integer_pow_key(eqn.params["y"])
     if name == "dot_general":
         return dot_general_key(eqn.params["dimension_numbers"])
-    if ho.jit_name(eqn) and "transpose(" not in ho.jit_name(eqn):
+    if ho.jit_name(eqn) and not backward and "transpose(" not in ho.jit_name(eqn):
         unit = "jit:" + unit_name(ho.jit_name(eqn))
         if lists.kind(unit) != "unlisted":
             return unit
@@ -238,6 +246,7 @@ class Graph:
         self.lists = lists
         self.nodes: list[Node] = []
         self._n_recs = 0
+        self._backward = False  # while building: inside a backward pass (transposed)
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
         origins = [_CONST] * len(jaxpr.constvars) + [
@@ -318,6 +327,7 @@ class Graph:
         def origin(atom: Any) -> Origin:
             return _CONST if jc.is_literal(atom) else origins.get(atom, _NOWHERE)
 
+        outer_backward = self._backward
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             here = f"{path}{name}"
@@ -325,7 +335,8 @@ class Graph:
             process = not in_region and unit is None
             ins = [source(a) for a in eqn.invars]
             in_origins = [origin(a) for a in eqn.invars]
-            key = op_key(eqn, self.lists)
+            self._backward = in_backward_pass(outer_backward, eqn)  # for its sub-scopes too
+            key = op_key(eqn, self.lists, self._backward)
             layout = ho.describe(eqn)
             out_origins = None
             if key.startswith("jit:") and layout is not None:
@@ -378,6 +389,7 @@ class Graph:
             for atom, nodes in zip(eqn.invars, operand_consumers, strict=True):
                 if not jc.is_literal(atom) and atom in rec.consumers:
                     rec.consumers[atom].extend(nodes)
+        self._backward = outer_backward
         for atom in jaxpr.outvars:
             if not jc.is_literal(atom) and atom in rec.consumers:
                 # An input handed on as an output wants its own dtype: a call site passing it
@@ -443,6 +455,25 @@ class Graph:
         ]
         sub, _, _ = self._enter(layout.body(), inner, f"{path}/", region, node, in_origins)
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
+        # A residual the unit hands its backward pass straight from a deny piece (the ``exp``
+        # of a log-softmax) is TF's gradient op recomputing it (LogSoftmaxGrad's Exp): its own
+        # vertex, of that piece's list, so deny spreads into the backward pass as in TF.
+        inner_sources = {}
+        for e, r in zip(sub.jaxpr.eqns, sub.eqns, strict=True):
+            for v in e.outvars:
+                inner_sources[v] = r.node
+        for i, atom in enumerate(sub.jaxpr.outvars):
+            piece = inner_sources.get(atom) if not jc.is_literal(atom) else None
+            if out[i] is None or piece is None or self.nodes[piece].listed_kind != "deny":
+                continue
+            out[i] = self._node(
+                self.nodes[piece].key,
+                f"{path}/output{i}",
+                float32=is_f32(eqn.outvars[i].aval.dtype),
+                process=process,
+                unit=unit,
+                fanin=[node],
+            )
         return out, EqnRec("unit", node=node, subs={"body": sub})
 
     def _cond(self, eqn, layout, ins, path, region, unit, in_origins):
