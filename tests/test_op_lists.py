@@ -772,6 +772,7 @@ def test_classified_names_are_real_primitives():
         "jax.experimental.buffer_callback",
         "jax.experimental.fused",
         "jax.experimental.scheduling_groups",
+        "equinox.internal",  # Equinox's primitives (diffrax's loops)
     ):
         importlib.import_module(name)
     jax.nn.dot_product_attention  # noqa: B018 - imports the cuDNN attention primitives

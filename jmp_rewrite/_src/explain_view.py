@@ -15,10 +15,10 @@
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import html
 import math
-import types
 from typing import TYPE_CHECKING, Any
 
 from jmp_rewrite._src import source_info as si
@@ -273,12 +273,9 @@ def deny_releases(graph: Any, painting: Any, options: dict[str, Any]) -> dict[in
             else n
             for n in graph.nodes
         ]
-        p = paint(
-            types.SimpleNamespace(
-                nodes=nodes, outputs=graph.outputs, input_avals=graph.input_avals
-            ),
-            infer_follows_allow=bool(options.get("infer_follows_allow", True)),
-        )
+        variant = copy.copy(graph)  # the same graph, with those nodes swapped
+        variant.nodes = nodes
+        p = paint(variant, infer_follows_allow=bool(options.get("infer_follows_allow", True)))
         for i in sorted(p.allow - painting.allow):
             if graph.nodes[i].eqn is not None:
                 out[i].append(key)
