@@ -145,17 +145,34 @@ def _applied_update(
     return _cast_updates_back(updates, grads, params), _cast_like(new_inner, inner_state)
 
 
+def _no_update_like(tree: ArrayTree) -> ArrayTree:
+    """Updates that change nothing: ``-0.0`` for floats, the one ``x`` for which ``p + x`` is
+    ``p`` bit for bit for every ``p`` (``-0.0 + 0.0`` is ``+0.0``: a parameter at ``-0.0``
+    would come back as ``+0.0`` after a skipped step), zeros otherwise."""
+
+    def leaf(u: Any) -> jax.Array:
+        if jnp.issubdtype(u.dtype, jnp.complexfloating):
+            zero = jnp.full(u.shape, -0.0, jnp.finfo(u.dtype).dtype)
+            return jax.lax.complex(zero, zero).astype(u.dtype)
+        if jnp.issubdtype(u.dtype, jnp.floating):
+            return jnp.full(u.shape, -0.0, u.dtype)
+        return jnp.zeros(u.shape, u.dtype)
+
+    return jax.tree.map(leaf, tree)
+
+
 def _skipped_update(
     applied: Callable[..., tuple[ArrayTree, Any]],
     grads: ArrayTree,
     inner_state: Any,
     params32: ArrayTree,
 ) -> tuple[ArrayTree, Any]:
-    """A skipped step: zeros shaped like ``applied``'s updates; ``inner_state`` unchanged."""
+    """A skipped step: no-op updates (see :func:`_no_update_like`) shaped like ``applied``'s;
+    ``inner_state`` unchanged."""
     # Whatever structure the inner optimizer returns (e.g. per-example gradients in, batch-free
     # updates out), found by tracing it without running it.
     updates_like, _ = jax.eval_shape(applied, grads, inner_state, params32)
-    return optax.tree.zeros_like(updates_like), inner_state
+    return _no_update_like(updates_like), inner_state
 
 
 def _static_bool(x: jax.Array) -> bool | None:
@@ -183,7 +200,9 @@ def _apply_or_skip(
     """
     if use_select:
         new_updates, new_inner = applied(grads, inner_state, params32)
-        new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
+        new_updates = jax.tree.map(
+            lambda u, none: jnp.where(apply, u, none), new_updates, _no_update_like(new_updates)
+        )
         new_inner = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_inner, inner_state)
         return new_updates, new_inner
     skipped = functools.partial(_skipped_update, applied)
