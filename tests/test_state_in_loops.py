@@ -425,3 +425,37 @@ def test_item5_linear_state_updates_still_float32(dtype, update):
     assert combine.painted_by == "keep_state_updates_float32" and not combine.half
     scale = [e for e in paint if e.key == "mul"][-1]  # 0.1 * v, 3e-3 * v: the increment's
     assert not scale.half  # scaling by a constant is not rounded either
+
+
+# ------------------------------------------------------------------------------------------
+# Item 1: explain's lint and compare name a half carry that accumulates
+# ------------------------------------------------------------------------------------------
+
+
+def _squashed_accumulator(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``c = tanh(c + step)``: adds to itself through a nonlinear op, so it is no linear state
+    and stays half precision (TF's colours)."""
+    return jax.lax.fori_loop(0, 50, lambda i, c: jnp.tanh(c + 0.01 * jnp.tanh(x @ w)), x)
+
+
+def _projected_sgd(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``p = clip(p - lr * g, -1, 1)``: a clip of an update is still state (float32)."""
+    return jax.lax.fori_loop(0, 50, lambda i, p: jnp.clip(p - 0.01 * jnp.tanh(x @ w), -1, 1), x)
+
+
+def test_item1_half_carry_that_adds_to_itself_is_named():
+    x, w = f32(0, 8, 16, scale=0.5), f32(1, 16, 16, scale=0.25)
+    report = jmp_rewrite.explain(_squashed_accumulator, x, w, dtype=F16)
+    (finding,) = [f for f in report.lint() if f.kind == "half_carry"]
+    assert finding.equations == ("scan/carry",) and "adds to itself (add, tanh)" in finding.message
+    assert "test_state_in_loops.py" in finding.source  # the line of the addition
+    assert "[half_carry]" in report.format() and "Half-precision loop carries" in report.to_html()
+    (note,) = [n for n in jmp_rewrite.compare(_squashed_accumulator, x, w, dtype=F16).notes]
+    assert note.startswith("scan/carry (<carry>): carried in float16 and adds to itself")
+    # State (a projected step) is kept float32 instead, and not named.
+    for fun in (_projected_sgd, lambda x, w: fori_training(_mlp_params(0), x, x[:, :4])):
+        assert not [
+            f for f in jmp_rewrite.explain(fun, x, w, dtype=F16).lint() if f.kind == "half_carry"
+        ]
+    carries = [e for e in jmp_rewrite.paint(_projected_sgd, x, w, dtype=F16) if e.key == "<carry>"]
+    assert [e.painted_by for e in carries] == ["keep_state_updates_float32"]

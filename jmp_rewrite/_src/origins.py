@@ -35,7 +35,8 @@ class Origin:
         (``m * old``, ``-lr * g``, ``where(ok, new, old)``), all of the value's shape. A
         nonlinear function (``tanh(old)``, ``old * old``) is not state handed on.
       updates: those of ``derived`` that an addition or subtraction has combined with
-        something else on the way (``new = a * old + b * f(x)``: a state update).
+        something else on the way (``new = a * old + b * f(x)``: a state update); a clip of
+        an update (``clip(p - lr * g, -c, c)``, a projected step) is one still.
     """
 
     const: bool = False
@@ -54,6 +55,10 @@ _LINEAR = frozenset(
     {*_COMBINES, "neg", "mul", "div", "select_n", "convert_element_type", "copy", "copy_p"}
     | {"reduce_precision", "select_if_vmap", "nonbatchable"}
 )
+
+
+#: Clips: the state they project stays state once updated (see ``leaf_origin``).
+_PROJECTIONS = ("max", "min", "clamp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +116,11 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
     derived: frozenset[int] = frozenset()
     updates: frozenset[int] = frozenset()
     name = eqn.primitive.name
+    if name in _PROJECTIONS and eqn.outvars:
+        # A clip of an updated state is the state projected (``clip(p - lr * g, lo, hi)``);
+        # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
+        updates = frozenset().union(*(o.updates for o in ins))
+        return Origin(const=const, copy_of=copy_of, derived=updates, updates=updates)
     if name in _LINEAR and eqn.outvars:
         shape = getattr(eqn.outvars[0].aval, "shape", None)
         # per operand, the states it hands on (an operand of another shape: none)

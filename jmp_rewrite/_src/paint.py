@@ -8,6 +8,8 @@ and which pass decided that.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Callable, Iterable
 
@@ -192,6 +194,34 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
         if ls.recurrent and g.nodes[ls.carry].float32:
             _keep_state_chain(g, p, ls.state, [ls.root], ls.carry)
 
+
+def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
+    """Loop carries painted half precision whose next value adds to them: carry id -> the
+    nodes on the elementwise path from the carry through an addition to its next value.
+
+    The state pass keeps a carry float32 when the body computes it *linearly* from itself;
+    one that adds to itself through a nonlinear op (``relu(c + x)``, ``norm(h + f(h))``, an
+    unknown primitive) is left to TF's colours and is rounded to half every iteration.
+    ``explain``'s lint and ``compare`` name these, in case one of them is state.
+    """
+    found = {}
+    for ls in g.loop_states:
+        n = g.nodes[ls.carry]
+        if ls.carry not in p.allow or not n.float32 or ls.root is None or ls.root == ls.carry:
+            continue
+        body = set(ls.body)
+
+        def elementwise(v: Node, r: int, body: set[int] = body) -> bool:
+            return v.id == r or (v.id in body and v.listed_kind != ALLOW)
+
+        ahead = set(_dfs([ls.carry], _fanout, g.nodes, elementwise))
+        path = [i for i in _dfs([ls.root], _fanin, g.nodes, elementwise) if i in ahead]
+        if any(g.nodes[i].key in _COMBINE_KEYS for i in path):
+            found[ls.carry] = tuple(sorted(path))
+    return found
+
+
+_COMBINE_KEYS = ("add", "sub", "add_any")
 
 #: Keys a normalization statistic is computed through above its reductions: the squares of
 #: ``E[x**2]`` or ``E[(x - mean)**2]`` and the mean they centre on are taken in float32 too,
@@ -423,3 +453,31 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     if not any(g.nodes[n].float32 for n in p.allow):
         p.changed = False
     return p
+
+
+def deny_releases(graph: Graph, painting: Painting, options: dict) -> dict[int, tuple[str, ...]]:
+    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
+
+    Repaints the graph once per deny key present (the passes run on node kinds only, so
+    nodes of that key are swapped for infer copies; nothing is traced again).
+    """
+    if not painting.changed or options.get("force_all"):
+        return {}
+    keys = sorted(
+        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
+    )
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for key in keys:
+        nodes = [
+            dataclasses.replace(n, kind="infer", listed_kind="infer")
+            if n.key == key and n.kind == "deny"
+            else n
+            for n in graph.nodes
+        ]
+        variant = copy.copy(graph)  # the same graph, with those nodes swapped
+        variant.nodes = nodes
+        p = paint(variant, infer_follows_allow=bool(options.get("infer_follows_allow", True)))
+        for i in sorted(p.allow - painting.allow):
+            if graph.nodes[i].eqn is not None:
+                out[i].append(key)
+    return {i: tuple(v) for i, v in out.items()}
