@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
+	$(BIN)/python benchmarks/numerics_loops.py
 
 clean:
 	rm -rf .venv .venv-newest .pytest_cache runs
