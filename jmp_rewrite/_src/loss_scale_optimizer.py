@@ -151,12 +151,10 @@ def _no_update_like(tree: ArrayTree) -> ArrayTree:
     would come back as ``+0.0`` after a skipped step), zeros otherwise."""
 
     def leaf(u: Any) -> jax.Array:
-        if jnp.issubdtype(u.dtype, jnp.complexfloating):
-            zero = jnp.full(u.shape, -0.0, jnp.finfo(u.dtype).dtype)
-            return jax.lax.complex(zero, zero).astype(u.dtype)
-        if jnp.issubdtype(u.dtype, jnp.floating):
-            return jnp.full(u.shape, -0.0, u.dtype)
-        return jnp.zeros(u.shape, u.dtype)
+        # zeros_like keeps what ``u`` (a ShapeDtypeStruct too) says of shardings and varying
+        # manual axes; negating it gives -0.0 (complex: -0.0 - 0.0j).
+        zeros = jnp.zeros_like(u)
+        return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros
 
     return jax.tree.map(leaf, tree)
 
