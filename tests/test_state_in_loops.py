@@ -305,6 +305,30 @@ def test_item1_adaptive_solver_like_diffrax(dtype):
     assert len([e for e in dots if e.half]) == 8  # the vector field's matmuls
 
 
+def equinox_euler(y0: jax.Array, w1: jax.Array, w2: jax.Array, half: Any = None) -> Any:
+    """500 Euler steps in Equinox's checkpointed ``while_loop`` (diffrax's loop): its carry
+    goes through Equinox's own primitives (``select_if_vmap``, ``nonbatchable``)."""
+    import equinox.internal as eqxi
+
+    def body(c):
+        i, y = c
+        return i + 1, y + 2e-3 * neural_ode_f(y, w1, w2, half)
+
+    init = (0, y0)
+    return eqxi.while_loop(lambda c: c[0] < 500, body, init, max_steps=500, kind="checkpointed")[1]
+
+
+@DTYPES
+def test_item1_equinox_checkpointed_while_loop(dtype):
+    w1, w2, y0 = f32(0, 8, 32, scale=0.35), f32(1, 32, 8, scale=0.18), f32(2, 16, 8)
+    got = jax.jit(jmp_rewrite.rewrite(equinox_euler, dtype=dtype))(y0, w1, w2)
+    ref = jax.jit(equinox_euler)(y0, w1, w2)
+    hand = jax.jit(equinox_euler, static_argnums=3)(y0, w1, w2, dtype)
+    assert_not_worse(got - y0, hand - y0, ref - y0, "change of y")
+    carries = _carry_colours(equinox_euler, y0, w1, w2, dtype=dtype)
+    assert carries and "allow" not in carries
+
+
 def ema_training(p: Any, x: jax.Array, y: jax.Array, half: Any = None) -> Any:
     """SGD steps in a ``scan``; every 4th step an EMA of the weights under ``lax.cond``."""
 

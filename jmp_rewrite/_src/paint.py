@@ -162,8 +162,8 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     """State is updated in float32: across steps (program outputs) and across iterations.
 
     Our addition; TF keeps float32 what its stateful ops update (``AssignMovingAvg``, fused
-    batch norm's running statistics are on no list), and a functional ``While`` crosses its
-    loop boundary in float32. Two kinds of state:
+    batch norm's running statistics are on no list), and its functional ``While`` (on no
+    float16 list) crosses its loop boundary in float32. Two kinds of state:
 
     * an output computed from the input of its shape linearly, combined with something else
       (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
@@ -195,12 +195,15 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             _keep_state_chain(g, p, ls.state, [ls.root], ls.carry)
 
 
+_COMBINE_KEYS = ("add", "sub", "add_any")
+
+
 def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
     """Loop carries painted half precision whose next value adds to them: carry id -> the
     nodes on the elementwise path from the carry through an addition to its next value.
 
     The state pass keeps a carry float32 when the body computes it *linearly* from itself;
-    one that adds to itself through a nonlinear op (``relu(c + x)``, ``norm(h + f(h))``, an
+    one that adds to itself through a nonlinear op (``tanh(c + x)``, ``norm(h + f(h))``, an
     unknown primitive) is left to TF's colours and is rounded to half every iteration.
     ``explain``'s lint and ``compare`` name these, in case one of them is state.
     """
@@ -220,8 +223,6 @@ def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...
             found[ls.carry] = tuple(sorted(path))
     return found
 
-
-_COMBINE_KEYS = ("add", "sub", "add_any")
 
 #: Keys a normalization statistic is computed through above its reductions: the squares of
 #: ``E[x**2]`` or ``E[(x - mean)**2]`` and the mean they centre on are taken in float32 too,
