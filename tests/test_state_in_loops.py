@@ -21,6 +21,10 @@ import pytest
 
 import jmp_rewrite
 
+# Numerics, many compilations: without jax_check_tracer_leaks (it disables JAX's caches; and
+# on jax 0.12 Equinox's checkpointed while_loop trips it under plain jax.jit already).
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F16, BF16 = jnp.float16, jnp.bfloat16
 DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
 FACTOR = 1.5
