@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
+	$(BIN)/python benchmarks/numerics_loops.py
 
 $(GPU_STAMP): pyproject.toml
 	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)

@@ -26,10 +26,12 @@ from jmp_rewrite._src.op_lists import (
     NON_FLOAT,
     REASONS,
     STRUCTURAL,
+    VIRTUAL_KEYS,
     OpLists,
     apply_level,
     canonical_level,
     default_lists,
+    dot_general_key,
     integer_pow_key,
     jit_key,
     known_op_keys,
@@ -774,13 +776,14 @@ def test_classified_names_are_real_primitives():
         "jax.experimental.buffer_callback",
         "jax.experimental.fused",
         "jax.experimental.scheduling_groups",
+        "equinox.internal",  # Equinox's primitives (diffrax's loops)
     ):
         importlib.import_module(name)
     jax.nn.dot_product_attention  # noqa: B018 - imports the cuDNN attention primitives
     real = {o.name for o in gc.get_objects() if isinstance(o, jex_core.Primitive)}
     classified = set(REASONS) | set(FLOAT32_ONLY) | set(STRUCTURAL) | set(NON_FLOAT)
     virtual = {k for k in classified if k.startswith("jit:")} | _OTHER_VERSION_NAMES
-    assert sorted(classified - real - virtual) == []
+    assert sorted(classified - real - virtual - VIRTUAL_KEYS) == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -801,6 +804,8 @@ def _keys_in(fn, *args) -> list[str]:
         name = eqn.primitive.name
         if name == "integer_pow":
             name = integer_pow_key(eqn.params["y"])
+        if name == "dot_general":
+            name = dot_general_key(eqn.params["dimension_numbers"])
         keys.append(name)
         if name == "jit":
             keys.append(jit_key(eqn.params["name"]))
@@ -829,6 +834,22 @@ def test_a_training_step_traces_only_classified_primitives():
     assert {k for k in keys if not k.startswith("jit:")} - classified == set()
     assert {"dot_general", "reciprocal", "square", "jit:log_softmax", "jit:softplus"} <= set(keys)
     assert "integer_pow" in keys  # gelu's x**3 (TF Pow: deny)
+
+
+@pytest.mark.parametrize(
+    "spec", ["i,j->ij", "bi,bj->bij", "i,i->i"], ids=["outer", "batched_outer", "elementwise"]
+)
+def test_dot_general_without_contraction_is_an_infer_mul(spec):
+    """Issue 14 item 3: RoPE's ``einsum("i,j->ij", pos, inv_freq)`` is TF's Mul (infer), not
+    a matmul; ``i,j->`` (a contraction) stays a matmul."""
+    a = jnp.ones((2, 3)) if spec.startswith("b") else jnp.ones(3)
+    keys = _keys_in(lambda a, b: jnp.einsum(spec, a, b), a, a)
+    assert "outer_product" in keys and "dot_general" not in keys, keys
+    v = jnp.ones(3)
+    assert "dot_general" in _keys_in(lambda a, b: jnp.einsum("i,i->", a, b), v, v)
+    for lists in (FP16, BF16):
+        assert lists.kind("outer_product") == "infer" == lists.kind("mul")
+    assert REASONS["outer_product"].startswith("TF Mul")
 
 
 def test_module_doctests():

@@ -25,6 +25,7 @@ from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_float, walk_scopes
+from jmp_rewrite._src.paint import deny_releases, half_accumulating_carries
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -51,6 +52,9 @@ class EquationReport(EquationPaint):
       trips: product of the enclosing ``scan`` lengths.
       tensor_dims: for matmuls/convs, the named dimensions tensor cores want multiples of 8.
       released_by: deny-list keys whose move to infer alone would run it in half precision.
+      accumulates_through: for a loop carry run in half precision whose next value adds to
+        it, the keys of the ops on the way (``("add", "max")``; its ``source`` is then the
+        line of that addition), else ``()``: it is rounded to half every iteration.
 
     ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
     ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
@@ -69,6 +73,7 @@ class EquationReport(EquationPaint):
     trips: int = 1
     tensor_dims: tuple[tuple[str, int], ...] = ()
     released_by: tuple[str, ...] = ()
+    accumulates_through: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,14 +246,15 @@ class Report:
         return explain_view.groups(self, by)
 
     def lint(self) -> list[explain_view.Finding]:
-        """What to change: half-precision matmuls/convs with a contracting or output
-        dimension that is not a multiple of 8 (tensor cores need them), and deny-list ops
-        whose move to the infer list alone would run more equations in half precision,
-        with the change and its risk.
+        """What to change: loop carries in half precision that add to themselves (an
+        accumulator the rewrite did not recognise as state), half-precision matmuls/convs
+        with a contracting or output dimension that is not a multiple of 8 (tensor cores need
+        them), and deny-list ops whose move to the infer list alone would run more equations
+        in half precision, with the change and its risk.
 
         Returns:
-          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s, tensor-core findings first
-          (most FLOPs first), then deny chains (most bytes first).
+          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s: half carries first, then
+          tensor-core findings (most FLOPs first), then deny chains (most bytes first).
 
         Example:
           >>> import jax.numpy as jnp
@@ -395,6 +401,7 @@ def _equation(
     trips: int,
     origin: Any = None,
     released: tuple[str, ...] = (),
+    accumulates: tuple[Node, ...] = (),
 ) -> EquationReport:
     facts = equation_facts(graph, painting, n)
     if origin is not None:  # the model scope and source line (source_info)
@@ -409,6 +416,8 @@ def _equation(
             "out_shapes": tuple(tuple(v.aval.shape) for v in eqn.outvars),
             "tensor_dims": _tensor_dims(eqn) if eqn.primitive.name in _MATMUL_PRIMITIVES else (),
         }
+    if accumulates:  # a half carry adding to itself: named by its addition's line
+        extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
         **facts,
         in_dtypes=d["in"],
@@ -530,13 +539,24 @@ def explain(
     graph, painting = entry.graph, entry.painting
     trips = _trip_counts(graph)
     origins = source_info.origins(graph)
-    released = explain_view.deny_releases(graph, painting, entry.config.options)
-    equations = [
-        _equation(
-            graph, painting, n, half, trips.get(n.id, 1), origins.get(n.id), released.get(n.id, ())
+    released = deny_releases(graph, painting, entry.config.options)
+    accumulating = half_accumulating_carries(graph, painting) if painting.changed else {}
+    equations = []
+    for n in graph.nodes:
+        path = [graph.nodes[i] for i in accumulating.get(n.id, ())]
+        combine = next((a.id for a in path if a.key in ("add", "sub", "add_any")), n.id)
+        equations.append(
+            _equation(
+                graph,
+                painting,
+                n,
+                half,
+                trips.get(n.id, 1),
+                origins.get(combine),
+                released.get(n.id, ()),
+                tuple(a for a in path if a.eqn is not None),
+            )
         )
-        for n in graph.nodes
-    ]
     log = _CastLog()
     if painting.changed:  # re-emitted abstractly: the hook hears every cast
         Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log).trace_program(

@@ -17,13 +17,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import types
 from typing import TYPE_CHECKING, Any
 
 from jmp_rewrite._src import source_info as si
 from jmp_rewrite._src.emit import ACCUMULATING
 from jmp_rewrite._src.op_lists import REASONS
-from jmp_rewrite._src.paint import paint
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only: explain imports this module
     from jmp_rewrite._src.explain import EquationReport, Report
@@ -42,6 +40,7 @@ _PRECISION_STYLES = {
 _LONG_TABLE = 40  # equations: a longer table starts closed
 _ABBR = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 _KIND_TITLES = {
+    "half_carry": "Half-precision loop carries that add to themselves (rounded every iteration)",
     "tensor_cores": (
         f"Tensor cores: half-precision matmuls/convs with a dimension not a multiple of "
         f"{TENSOR_CORE_MULTIPLE} (they run on slower paths)"
@@ -230,8 +229,9 @@ class Finding:
     """One lint finding of :func:`lint`.
 
     Attributes:
-      kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8) or
-        ``deny_chain`` (one list change would run more equations in half precision).
+      kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8),
+        ``deny_chain`` (one list change would run more equations in half precision) or
+        ``half_carry`` (a loop carry in half precision that adds to itself every iteration).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -251,37 +251,6 @@ class Finding:
     bytes: int = 0
     change: str = ""
     risk: str = ""
-
-
-def deny_releases(graph: Any, painting: Any, options: dict[str, Any]) -> dict[int, tuple[str, ...]]:
-    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
-
-    Repaints the graph once per deny key present (the passes run on node kinds only, so
-    nodes of that key are swapped for infer copies; nothing is traced again).
-    """
-    if not painting.changed or options.get("force_all"):
-        return {}
-    keys = sorted(
-        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
-    )
-    out: dict[int, list[str]] = collections.defaultdict(list)
-    for key in keys:
-        nodes = [
-            dataclasses.replace(n, kind="infer", listed_kind="infer")
-            if n.key == key and n.kind == "deny"
-            else n
-            for n in graph.nodes
-        ]
-        p = paint(
-            types.SimpleNamespace(
-                nodes=nodes, outputs=graph.outputs, input_avals=graph.input_avals
-            ),
-            infer_follows_allow=bool(options.get("infer_follows_allow", True)),
-        )
-        for i in sorted(p.allow - painting.allow):
-            if graph.nodes[i].eqn is not None:
-                out[i].append(key)
-    return {i: tuple(v) for i, v in out.items()}
 
 
 def _shape(shape: tuple[int, ...], dtype: str) -> str:
@@ -360,7 +329,38 @@ def lint(report: Report) -> list[Finding]:
             )
         )
     chains.sort(key=lambda f: -f.bytes)
-    return findings + chains
+    return _half_carries(report) + findings + chains
+
+
+def _half_carries(report: Report) -> list[Finding]:
+    """Loop carries in half precision whose next value adds to them (an accumulator the
+    rewrite did not recognise as state: its update is not linear in it)."""
+    out = []
+    for e in report.equations:
+        if not e.accumulates_through:
+            continue
+        through = ", ".join(e.accumulates_through)
+        shapes = " x ".join(_shape(s, d) for s, d in zip(e.out_shapes, e.out_dtypes_after))
+        out.append(
+            Finding(
+                kind="half_carry",
+                message=(
+                    f"loop carry {e.path}{' ' + shapes if shapes else ''}"
+                    f"{_where(e.scope, e.source)} is carried in {report.dtype} and adds to "
+                    f"itself ({through}): it is rounded to {report.dtype} at every iteration"
+                ),
+                scope=e.scope,
+                source=e.source,
+                equations=(e.path,),
+                change=(
+                    "if it is state (an accumulator, a solver's solution), update it linearly "
+                    "(new = old + step, where(ok, new, old)), which the rewrite keeps float32, "
+                    "or run the loop in a jmp_rewrite.float32_region"
+                ),
+                risk="a float32 carry is cast to half for each half-precision reader",
+            )
+        )
+    return out
 
 
 # --------------------------------------------------------------------------------------------

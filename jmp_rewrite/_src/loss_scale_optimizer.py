@@ -148,17 +148,32 @@ def _applied_update(
     return _cast_updates_back(updates, grads, params), _cast_like(new_inner, inner_state)
 
 
+def _no_update_like(tree: ArrayTree) -> ArrayTree:
+    """Updates that change nothing: ``-0.0`` for floats, the one ``x`` for which ``p + x`` is
+    ``p`` bit for bit for every ``p`` (``-0.0 + 0.0`` is ``+0.0``: a parameter at ``-0.0``
+    would come back as ``+0.0`` after a skipped step), zeros otherwise."""
+
+    def leaf(u: Any) -> jax.Array:
+        # zeros_like keeps what ``u`` (a ShapeDtypeStruct too) says of shardings and varying
+        # manual axes; negating it gives -0.0 (complex: -0.0 - 0.0j).
+        zeros = jnp.zeros_like(u)
+        return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros
+
+    return jax.tree.map(leaf, tree)
+
+
 def _skipped_update(
     applied: Callable[..., tuple[ArrayTree, Any]],
     grads: ArrayTree,
     inner_state: Any,
     params32: ArrayTree,
 ) -> tuple[ArrayTree, Any]:
-    """A skipped step: zeros shaped like ``applied``'s updates; ``inner_state`` unchanged."""
+    """A skipped step: no-op updates (see :func:`_no_update_like`) shaped like ``applied``'s;
+    ``inner_state`` unchanged."""
     # Whatever structure the inner optimizer returns (e.g. per-example gradients in, batch-free
     # updates out), found by tracing it without running it.
     updates_like, _ = jax.eval_shape(applied, grads, inner_state, params32)
-    return optax.tree.zeros_like(updates_like), inner_state
+    return _no_update_like(updates_like), inner_state
 
 
 def _static_bool(x: jax.Array) -> bool | None:
@@ -186,7 +201,9 @@ def _apply_or_skip(
     """
     if use_select:
         new_updates, new_inner = applied(grads, inner_state, params32)
-        new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
+        new_updates = jax.tree.map(
+            lambda u, none: jnp.where(apply, u, none), new_updates, _no_update_like(new_updates)
+        )
         new_inner = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_inner, inner_state)
         return new_updates, new_inner
     skipped = functools.partial(_skipped_update, applied)
@@ -263,6 +280,13 @@ def _update(
     params: ArrayTree | None,
     extra_args: dict[str, Any],
 ) -> tuple[ArrayTree, LossScaleOptimizerState]:
+    if not isinstance(state, LossScaleOptimizerState):
+        raise TypeError(
+            "the update of a jmp_rewrite.loss_scale_optimizer expects the state its own init "
+            f"returns (a LossScaleOptimizerState); got a {type(state).__name__}, perhaps the "
+            "state of the optimizer it wraps (a checkpoint saved before wrapping). Wrap that "
+            "state instead: state = tx.init(params)._replace(inner_state=old_state)"
+        )
     rule = options.scale_rule
     loss_scale = jnp.asarray(state.loss_scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / loss_scale

@@ -70,6 +70,12 @@ def _leaf_value(x: Any) -> Any:
     return x
 
 
+def _state_nodes(tree: Any) -> list[tuple[Any, Any]]:
+    """(path, node) of every loss-scale state node in ``tree``."""
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state_node)
+    return [(path, node) for path, node in found if _is_state_node(node)]
+
+
 def get_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState:
     """The one :class:`LossScaleOptimizerState` inside a (possibly nested) optimizer state.
 
@@ -95,8 +101,7 @@ def get_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState:
       >>> int(jmp_rewrite.get_loss_scale_state(state).skipped_steps)
       0
     """
-    found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state_node)
-    matches = [(path, node) for path, node in found if _is_state_node(node)]
+    matches = _state_nodes(opt_state)
     if not matches:
         raise ValueError(
             "no LossScaleOptimizerState found in the given "
@@ -279,8 +284,10 @@ def value_and_grad(
       unscaled, in its own dtype.
 
     Raises:
-      TypeError: if ``fun`` is not callable.
-      ValueError: (when called) if ``opt_state`` holds no loss-scale state or more than one.
+      TypeError: if ``fun`` is not callable; (when called) if the first argument holds no
+        loss-scale state, as when called with ``jax.value_and_grad``'s convention
+        ``(params, *args)``.
+      ValueError: (when called) if ``opt_state`` holds more than one loss-scale state.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -294,6 +301,18 @@ def value_and_grad(
         raise TypeError(f"value_and_grad expects a callable fun; got {fun!r}")
 
     def wrapped(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, ArrayTree]:
+        if not _state_nodes(opt_state):
+            name = getattr(fun, "__name__", "fun")
+            raise TypeError(
+                f"jmp_rewrite.value_and_grad({name})(...) takes the optimizer state first: "
+                f"call it as value_and_grad({name})(opt_state, *args), with opt_state the "
+                "state of a jmp_rewrite.loss_scale_optimizer (or an object holding it, such "
+                "as flax.nnx.Optimizer), and args what jax.value_and_grad would get. Its "
+                f"first argument, a {type(opt_state).__name__}, holds no "
+                "LossScaleOptimizerState: was it called with jax.value_and_grad's "
+                "convention (params, ...)?"
+            )
+
         def scaled_fun(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
             out = fun(*args, **kwargs)
             loss, aux = out if has_aux else (out, None)

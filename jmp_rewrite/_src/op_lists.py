@@ -19,6 +19,10 @@ painter computes for one primitive with several meanings:
 * ``integer_pow`` is split by its exponent (:func:`integer_pow_key`): ``y == -1`` is key
   ``reciprocal`` (TF ``Reciprocal``), ``y == 2`` is key ``square`` (TF ``Square``), any other
   ``y`` stays ``integer_pow`` (TF ``Pow``).
+* A ``dot_general`` without contracting dimensions (``jnp.einsum("i,j->ij", ...)``,
+  ``jnp.outer``) is key ``outer_product`` (:func:`dot_general_key`): TF ``Mul`` (infer), not a
+  matmul. It does no tensor-core work, and painted allow it would round its operands to half
+  before multiplying (RoPE's ``position x frequency`` angles, up to thousands of radians).
 * A ``jit`` equation whose ``params["name"]`` is ``N`` is looked up as ``jit:N``
   (:func:`jit_key`). When that key is on a list the painter treats the whole call as one op of
   that list, like TF's fused op, instead of seeing through it. ``jax.nn.log_softmax`` is
@@ -175,6 +179,11 @@ _def_infer(
     "TF Inv/Reciprocal: virtual key for integer_pow(y=-1) (also Pallas's reciprocal)",
     "reciprocal",
 )
+_def_infer(
+    "TF Mul: virtual key for a dot_general without contracting dimensions (an outer product, "
+    "einsum 'i,j->ij' as in RoPE's angles): a broadcast multiply, no tensor-core work",
+    "outer_product",
+)
 # TF lists Softmax/LogSoftmax/Softplus/Elu/Selu/Softsign as infer, not deny (TF's own docstring
 # calls Softmax a deny op; the code disagrees): fused kernels that are fine in half. JAX
 # decomposes them into exp/expm1/reduce_sum (deny), so the painter must see the named jit as
@@ -265,6 +274,9 @@ _def_clear("TF Reverse/ReverseV2/ReverseSequence", "rev")
 _def_clear("TF Select/SelectV2 (jnp.where)", "select_n")
 _def_clear("TF ClipByValue", "clamp")
 _def_clear("TF Maximum/Minimum/Relu/Relu6", "max", "min")
+# Equinox's own primitives, in the loops of diffrax, optimistix and lineax.
+_def_clear("Equinox: lax.select that ignores an unbatched predicate: TF Select", "select_if_vmap")
+_def_clear("Equinox: identity that refuses vmap: TF Identity", "nonbatchable")
 _def_clear("TF Max/Min reductions", "reduce_max", "reduce_min")
 _def_clear("TF ArgMax/ArgMin", "argmax", "argmin")
 _def_clear("TF MaxPool/MaxPool3D (and min pooling)", "reduce_window_max", "reduce_window_min")
@@ -533,7 +545,7 @@ NON_FLOAT: Mapping[str, str] = types.MappingProxyType(_NON_FLOAT)
 #: ``integer_pow`` exponents with their own key (everything else is ``integer_pow``: TF Pow).
 INTEGER_POW_KEYS: Mapping[int, str] = types.MappingProxyType({-1: "reciprocal", 2: "square"})
 #: Keys that are not JAX primitives; the painter computes them.
-VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal"})
+VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal", "outer_product"})
 #: The named-jit keys this module puts on lists.
 JIT_UNIT_KEYS: frozenset[str] = frozenset(k for k in _REASONS if k.startswith(JIT_UNIT_PREFIX))
 
@@ -569,6 +581,24 @@ _TF_NAME_HINTS: Mapping[str, str] = types.MappingProxyType(
         "inv": "reciprocal",
     }
 )
+
+
+def dot_general_key(dimension_numbers: Any) -> str:
+    """The op key of a ``dot_general`` equation with ``dimension_numbers``.
+
+    Args:
+      dimension_numbers: the equation's ``params["dimension_numbers"]``,
+        ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+
+    Returns:
+      ``"outer_product"`` when nothing is contracted (TF Mul), else ``"dot_general"``.
+
+    Example:
+      >>> dot_general_key((((1,), (0,)), ((), ()))), dot_general_key((((), ()), ((), ())))
+      ('dot_general', 'outer_product')
+    """
+    (lhs_contract, _), _ = dimension_numbers
+    return "dot_general" if len(lhs_contract) else "outer_product"
 
 
 def integer_pow_key(y: int) -> str:

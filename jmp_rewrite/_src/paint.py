@@ -8,10 +8,13 @@ and which pass decided that.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Callable, Iterable
 
 import numpy as np
+from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import Graph, Node, is_f32
@@ -100,26 +103,126 @@ def keep_output_copies_float32(g: Graph, p: Painting) -> None:
     _keep_float32(g, p, ids, "keep_output_copies_float32")
 
 
-def keep_state_updates_float32(g: Graph, p: Painting) -> None:
-    """State carried from step to step is updated in float32.
+def _asks_highest(eqn: object) -> bool:
+    precision = getattr(eqn, "params", {}).get("precision")
+    values = precision if isinstance(precision, tuple) else (precision,)
+    return any(v == lax.Precision.HIGHEST for v in values if isinstance(v, lax.Precision))
 
-    An output computed elementwise from the input of its shape (``new = m * old + (1 - m) *
-    stat``: a running average, an EMA, a plain SGD step) would be re-rounded to half every
-    step and drift; TF's stateful ops (``AssignMovingAvg``, fused batch norm's running
-    statistics) are on no list and keep float32. The chain from that input to the output
-    keeps float32; what flows into it (``stat``) may still be computed in half.
+
+def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
+    """A matmul or convolution that asks for ``precision=HIGHEST`` stays float32.
+
+    Our addition (TF's ops have no precision attribute): ``Precision.HIGHEST`` is the
+    caller's explicit request for float32 accuracy on every backend, as diffrax asks for it
+    when it combines a Runge-Kutta method's stages with its Butcher tableau
+    (``tensordot(a, ks, precision=HIGHEST)``). Painted allow, the tableau's coefficients
+    were rounded to half and the step lost the method's order. The default precision
+    (``None``) and lower ones are painted by the lists.
+    """
+    keep = [n.id for n in g.nodes if n.eqn is not None and n.process and _asks_highest(n.eqn)]
+    _keep_float32(g, p, keep, "keep_highest_precision_float32")
+
+
+#: Structural vertices a state chain runs through: an inner loop's result linear in the state,
+#: a ``cond`` choosing between new and old.
+_STATE_VERTICES = ("<carry>", "<cond-output>")
+#: Keys of the increment's linear tail (``- lr * g``, ``dt / 6 * (k1 + 2 * k2 + ...)``).
+_INCREMENT_KEYS = frozenset(
+    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}
+)
+
+
+def _keep_state_chain(g: Graph, p: Painting, state: int, roots: list[int], own: int | None):
+    """Keeps float32 the chain carrying ``state`` to ``roots`` (nodes linear in it; ``own``:
+    the loop carry holding it) and the linear tail of what is added to it."""
+
+    def in_chain(v: Node) -> bool:
+        linear = state in v.origin.derived and (v.eqn is not None or v.key in _STATE_VERTICES)
+        return v.id == own or linear
+
+    chain = _walk_up(g, roots, in_chain)
+    members = set(chain)
+    starts = [f for i in chain for f in g.nodes[i].fanin if f not in members]
+
+    def in_tail(v: Node) -> bool:
+        if v.eqn is None or v.key not in _INCREMENT_KEYS or not v.float32:
+            return False
+        return not (v.key in ("mul", "div") and _products(v) > 1)
+
+    tail = _dfs(starts, _fanin, g.nodes, lambda v, r: in_tail(v))
+    _keep_float32(g, p, chain + tail, "keep_state_updates_float32")
+
+
+def _products(n: Node) -> int:
+    """How many operands of a product or quotient are arrays (not literals, not scalars):
+    ``lr * g`` is a scaling, ``mean * mean`` a product."""
+    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))
+
+
+def keep_state_updates_float32(g: Graph, p: Painting) -> None:
+    """State is updated in float32: across steps (program outputs) and across iterations.
+
+    Our addition; TF keeps float32 what its stateful ops update (``AssignMovingAvg``, fused
+    batch norm's running statistics are on no list), and its functional ``While`` (on no
+    float16 list) crosses its loop boundary in float32. Two kinds of state:
+
+    * an output computed from the input of its shape linearly, combined with something else
+      (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
+      be re-rounded to half every step and drift. An output reached from the input through a
+      nonlinear function (``tanh(x @ w) + sigmoid(y)``) is no state update: TF's colours;
+    * a loop carry whose next value the body computes linearly from the carry itself
+      (``y + dt / 6 * (k1 + 2 k2 + 2 k3 + k4)``, ``p - lr * g``, ``where(ok, new, old)``,
+      ``m * ema + (1 - m) * x``): as TF's v2 loop variables, it stays float32, instead of
+      being rounded every iteration (the carry and its chain in the body; see
+      :class:`~jmp_rewrite._src.graph.LoopState`).
+
+    The chain from the state to the new value keeps float32, and so does the linear tail of
+    the increment (sums and scalings by constants: ``- 3e-3 * g``, ``dt / 6 * (...)``), so
+    that a learning rate or a step size is not rounded either; what flows into it (``g``,
+    the ``k``: matmuls, activations) is still computed in half.
     """
     roots_by_input: dict[int, list[int]] = {}
     for src, _, aval in g.outputs:
         if src is None or not is_f32(aval.dtype):
             continue
         for j in g.nodes[src].origin.updates:
-            inp = g.input_avals[j]
-            if inp.shape == aval.shape and is_f32(inp.dtype):
+            inp = g.input_avals[j] if j < len(g.input_avals) else None
+            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
-        ids = _walk_up(g, roots, lambda v, j=j: v.eqn is not None and j in v.origin.updates)
-        _keep_float32(g, p, ids, "keep_state_updates_float32")
+        _keep_state_chain(g, p, j, roots, None)
+    for ls in g.loop_states:
+        if ls.recurrent and g.nodes[ls.carry].float32:
+            _keep_state_chain(g, p, ls.state, [ls.root], ls.carry)
+
+
+_COMBINE_KEYS = ("add", "sub", "add_any")
+
+
+def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
+    """Loop carries painted half precision whose next value adds to them: carry id -> the
+    nodes on the elementwise path from the carry through an addition to its next value.
+
+    The state pass keeps a carry float32 when the body computes it *linearly* from itself;
+    one that adds to itself through a nonlinear op (``tanh(c + x)``, ``norm(h + f(h))``, an
+    unknown primitive) is left to TF's colours and is rounded to half every iteration.
+    ``explain``'s lint and ``compare`` name these, in case one of them is state.
+    """
+    found = {}
+    for ls in g.loop_states:
+        n = g.nodes[ls.carry]
+        if ls.carry not in p.allow or not n.float32 or ls.root is None or ls.root == ls.carry:
+            continue
+        body = set(ls.body)
+
+        def elementwise(v: Node, r: int, body: set[int] = body) -> bool:
+            return v.id == r or (v.id in body and v.listed_kind != ALLOW)
+
+        ahead = set(_dfs([ls.carry], _fanout, g.nodes, elementwise))
+        path = [i for i in _dfs([ls.root], _fanin, g.nodes, elementwise) if i in ahead]
+        if any(g.nodes[i].key in _COMBINE_KEYS for i in path):
+            found[ls.carry] = tuple(sorted(path))
+    return found
 
 
 #: Keys a normalization statistic is computed through above its reductions: the squares of
@@ -152,8 +255,8 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
     spreading nothing, as inside TF's fused op.
     """
 
-    def eligible(n: Node) -> bool:
-        return n.eqn is not None and n.process and n.listed_kind != ALLOW
+    def eligible(n: Node) -> bool:  # kept float32 by another pass or not, as long as paintable
+        return n.eqn is not None and n.unit is None and not n.region and n.listed_kind != ALLOW
 
     # Below the reductions: the nodes between an rsqrt and the reductions it reads. An
     # rsqrt that no reduction feeds is no statistic and is left to the lists.
@@ -428,6 +531,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     keep_state_updates_float32(g, p)
     keep_normalization_statistics_float32(g, p)
     release_saturated_powers(g, p)
+    keep_highest_precision_float32(g, p)
     add_allowlist_ops(g, p, force_all)
     if not p.allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False
@@ -445,3 +549,31 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     if not any(g.nodes[n].float32 for n in p.allow):
         p.changed = False
     return p
+
+
+def deny_releases(graph: Graph, painting: Painting, options: dict) -> dict[int, tuple[str, ...]]:
+    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
+
+    Repaints the graph once per deny key present (the passes run on node kinds only, so
+    nodes of that key are swapped for infer copies; nothing is traced again).
+    """
+    if not painting.changed or options.get("force_all"):
+        return {}
+    keys = sorted(
+        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
+    )
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for key in keys:
+        nodes = [
+            dataclasses.replace(n, kind="infer", listed_kind="infer")
+            if n.key == key and n.kind == "deny"
+            else n
+            for n in graph.nodes
+        ]
+        variant = copy.copy(graph)  # the same graph, with those nodes swapped
+        variant.nodes = nodes
+        p = paint(variant, infer_follows_allow=bool(options.get("infer_follows_allow", True)))
+        for i in sorted(p.allow - painting.allow):
+            if graph.nodes[i].eqn is not None:
+                out[i].append(key)
+    return {i: tuple(v) for i, v in out.items()}
