@@ -6,29 +6,70 @@ VENV ?= .venv
 NEWEST_PYTHON ?= $(shell .ci/newest_python)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_WORKERS ?= 2
+comma := ,
+# Extra pytest arguments (e.g. make test PYTEST_ARGS="-k explain").
+PYTEST_ARGS ?=
+# jmp_rewrite needs Python >= 3.11: an interpreter older than that is refused with its version.
+PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 
-.PHONY: test test-newest demo lint format bench mutants clean
+# A $(VENV) whose interpreter is gone or older than 3.11 (made by an old python3 before) is
+# stale whatever its stamps say: its stamps are rebuilt, and the recipe below remakes it.
+ifneq ($(wildcard $(VENV)),)
+ifneq ($(shell $(BIN)/python -c '$(PY_OK)' 2>/dev/null && echo ok),ok)
+.PHONY: $(STAMP) $(DEMO_STAMP)
+endif
+endif
+
+# $(call venv,EXTRAS): (re)make $(VENV) with a good interpreter, then install '.[EXTRAS]'.
+define venv
+	@$(PYTHON) -c '$(PY_OK)' || { echo "$(PYTHON) is $$($(PYTHON) -V 2>&1); jmp_rewrite \
+	needs >= 3.11: run make PYTHON=python3.11 (or newer)"; exit 1; }
+	@$(BIN)/python -c '$(PY_OK)' 2>/dev/null || { rm -rf $(VENV) && \
+	echo "Creating $(VENV) with $(PYTHON)" && $(PYTHON) -m venv $(VENV); }
+	@echo "Installing jmp_rewrite[$(1)] into $(VENV) (first use only; a minute or two)"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(1)]'
+endef
+
+# make gpu-memory: the GPU memory of the GPU benchmark's train steps, compiled for an H200 on
+# this CPU-only machine (benchmarks/gpu_memory.py); its own environment, .venv-gpu, holds jax
+# with the CUDA plugin (~5.6 GB of wheels: never part of make test). ARGS go to the script,
+# e.g. make gpu-memory ARGS="--models gpt --dtypes bf16".
+GPU_VENV ?= .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+GPU_JAX ?= 0.11.2
+GPU_PYTHON ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3))),python3)
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,demo]'
-	touch $(STAMP)
+	$(call venv,test$(comma)demo)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	$(call venv,demo)
+	touch $(DEMO_STAMP)
+
+.PHONY: test test-newest demo lint format bench figures gpu-memory mutants clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check jmp_rewrite tests benchmarks tools
 	$(BIN)/ruff format --check jmp_rewrite tests benchmarks tools
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) tests
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
 	if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --nbmake notebooks; fi
 
+# The other end of the range runs the library's tests only. Lint, the notebooks and the tests
+# marked `once` (README blocks, each in a fresh interpreter; the GPU benchmark's smoke run)
+# use only the public API, whose version-specific parts (_jax_compat.py, higher_order.py) the
+# library's tests check at both ends: they run once, in `make test`. CI (.ci/run) runs both.
 test-newest:
-	$(MAKE) test VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	$(MAKE) .venv-newest/.installed VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	.venv-newest/bin/python -m pytest -n $(PYTEST_WORKERS) -m "not once" $(PYTEST_ARGS) tests
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
 format: $(STAMP)
@@ -39,10 +80,20 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
 	$(BIN)/python benchmarks/loss_scale_overhead.py
 	$(BIN)/python benchmarks/numerics_vs_handwritten.py
+	$(BIN)/python benchmarks/numerics_loops.py
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q "jax[cuda12]==$(GPU_JAX)" flax -e .
+	touch $(GPU_STAMP)
+
+gpu-memory: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
 
 # By hand, never in CI: each mutant of tools/mutant_list.py against its tests (see README).
 mutants: $(STAMP)
 	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-newest .pytest_cache runs
+	rm -rf .venv .venv-newest .venv-gpu .pytest_cache runs

@@ -4,12 +4,15 @@ The one command a GPU session runs (from the repository root; about 9 minutes at
 script stops starting new work after ``--budget-s`` and writes the JSON after every variant,
 so a run cut short still leaves every finished figure)::
 
-    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 python3 benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
+    make .venv/.installed && .venv/bin/pip install -q "jax[cuda12]"
+    set -o pipefail; PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout 570 .venv/bin/python benchmarks/gpu_speedup.py --tf32 --budget-s 480 --out $OUT/gpu_speedup.json 2>&1 | tee $OUT/gpu_speedup.log
 
 (``$OUT`` is the device tool's output folder; elsewhere use any path. ``--models gpt`` or
 ``--variants f32 rw-bf16 hand-bf16`` reruns a part; ``--tf32`` adds float32 with TF32 matmuls,
-in the last pass.) ``--smoke`` runs everything at toy sizes (CPU, well under a minute; the tests
-run it); ``--trace-only`` traces, rewrites and lowers the full-size steps without compiling.
+in the last pass.) ``--smoke`` runs everything at toy sizes and without a time budget (CPU,
+about 1.5 minutes of CPU; the tests run it); ``--trace-only`` traces, rewrites and lowers the
+full-size steps without compiling. On a machine without a GPU the script refuses the full-size
+run unless ``--allow-cpu`` is given.
 
 What is timed, each in one process on one card: a whole jitted train step (forward, backward
 and Adam; parameters, model state and optimizer state donated) of
@@ -27,7 +30,11 @@ Variants (in this order of priority: with a short budget the later passes are sk
   float32 normalisation statistics and loss), the baseline a Flax user has today;
 * ``rw-f16-lso``: ``rewrite(dtype=float16)`` with ``loss_scale_optimizer`` (``lax.cond``);
 * ``rw-f16-lso-select``: the same with ``loss_scale_optimizer(use_select=True)``;
-* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``.
+* ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``;
+* only when named with ``--variants``: ``rw-f16`` (``rewrite(dtype=float16)``, no loss
+  scaling), ``hand-f16`` (Flax's ``dtype=jnp.float16``) and ``hand-f16-dynscale`` (that model
+  with ``flax.training.dynamic_scale.DynamicScale`` and ``jnp.where`` on the new parameters
+  and optimizer state, as Flax's ImageNet example trains in float16).
 
 Reported per model and variant: median step time, speed-up over ``f32``, speed ratio to
 ``hand-bf16`` (``t_hand / t``: above 1 is faster), achieved TFLOP/s and MFU (matmul and
@@ -49,27 +56,34 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from importlib import metadata  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _gpu_models  # noqa: E402
+from _gpu_steps import (  # noqa: E402
+    DEFAULT_VARIANTS,
+    DONATE,
+    VARIANTS,
+    Variant,
+    abstract_args,
+    make_step,
+    version_of,
+    write_json,
+    xla_peak_bytes,
+)
 
 import jmp_rewrite  # noqa: E402
 
@@ -92,36 +106,6 @@ PEAK_TFLOPS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    key: str
-    rewrite_dtype: Any = None  # jmp_rewrite.rewrite(step, dtype=...)
-    hand_dtype: Any = None  # Flax-style compute dtype of the model itself
-    loss_scale: bool = False
-    use_select: bool = False
-    precision: str | None = None  # jax.default_matmul_precision while tracing
-    cuda_lists: bool = False  # bf16 with TF's CUDA (float16) lists instead of oneDNN's
-
-    @property
-    def tf32(self) -> bool | None:
-        if self.precision is None:
-            return None  # half precision: TF32 does not apply
-        return self.precision == "tensorfloat32" and jax.default_backend() == "gpu"
-
-
-VARIANTS = {
-    v.key: v
-    for v in (
-        Variant("f32", precision="highest"),
-        Variant("rw-bf16", rewrite_dtype=jnp.bfloat16),
-        Variant("hand-bf16", hand_dtype=jnp.bfloat16),
-        # Issue 8 item 7: which lists bfloat16 should get on GPUs (loss error ties on CPU).
-        Variant("rw-bf16-cuda-lists", rewrite_dtype=jnp.bfloat16, cuda_lists=True),
-        Variant("rw-f16-lso", rewrite_dtype=jnp.float16, loss_scale=True),
-        Variant("rw-f16-lso-select", rewrite_dtype=jnp.float16, loss_scale=True, use_select=True),
-        Variant("f32-tf32", precision="tensorfloat32"),
-    )
-}
 #: XLA flags for ``--smoke``: LLVM's optimisations take most of XLA:CPU's compile time.
 SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 #: Passes over the models: every model gets the headline variants before any gets the rest.
@@ -131,48 +115,13 @@ PASSES = (
     ("rw-bf16-cuda-lists",),
     ("rw-f16-lso-select",),
     ("f32-tf32",),
+    ("rw-f16", "hand-f16", "hand-f16-dynscale"),
 )
 
 
 # ------------------------------------------------------------------------------------------
 # Train steps
 # ------------------------------------------------------------------------------------------
-
-
-def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
-    """``(tx, step)`` with ``step(params, state, opt_state, inputs, labels)``."""
-    loss_fn = model.make_loss(variant.hand_dtype)
-    if variant.loss_scale:
-        tx = jmp_rewrite.loss_scale_optimizer(
-            optax.adam(model.learning_rate), use_select=variant.use_select
-        )
-
-        def step(params, state, opt_state, inputs, labels):
-            (loss, new_state), grads = jmp_rewrite.value_and_grad(loss_fn, has_aux=True)(
-                opt_state, params, state, inputs, labels
-            )
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_state, opt_state, loss
-
-    else:
-        tx = optax.adam(model.learning_rate)
-
-        @jmp_rewrite.float32_region  # Adam in float32 under the rewrite; no-op otherwise
-        def update(grads, opt_state, params):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def step(params, state, opt_state, inputs, labels):
-            (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                params, state, inputs, labels
-            )
-            params, opt_state = update(grads, opt_state, params)
-            return params, new_state, opt_state, loss
-
-    if variant.rewrite_dtype is not None:
-        lists = jmp_rewrite.default_lists(jnp.float16) if variant.cuda_lists else None
-        step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists)
-    return tx, step
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -242,21 +191,6 @@ def _cost_flops(compiled: Any) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-def _xla_peak_bytes(compiled: Any) -> int | None:
-    try:
-        m = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001
-        return None
-    if m is None:
-        return None
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def _memory_stats() -> dict[str, Any]:
     stats = jax.devices()[0].memory_stats()
     return stats or {}
@@ -282,12 +216,9 @@ def run_variant(
     nothing is allocated, compiled or run: a check of the full-size code paths on any machine.
     """
     tx, step = make_step(model, variant)
-    jitted = jax.jit(step, donate_argnums=(0, 1, 2))
+    jitted = jax.jit(step, donate_argnums=DONATE)
     if trace_only:
-        spec = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
-        params, state = jax.tree.map(spec, model.params), jax.tree.map(spec, model.state)
-        opt_state = jax.eval_shape(tx.init, params)
-        inputs, labels = spec(model.inputs), spec(model.labels)
+        params, state, opt_state, inputs, labels = abstract_args(model, tx)
     else:
         params, state = jax.device_put(model.params), jax.device_put(model.state)
         opt_state = tx.init(params)
@@ -317,7 +248,7 @@ def run_variant(
     compiled = lowered.compile()
     rec["compile_s"] = time.perf_counter() - t2
     rec["xla_flops"] = _cost_flops(compiled)
-    rec["xla_peak_bytes"] = _xla_peak_bytes(compiled)
+    rec["xla_peak_bytes"] = xla_peak_bytes(compiled)
     del traced, lowered
     times, losses, applied = [], [], []
     for i in range(warmup + steps):
@@ -468,22 +399,6 @@ def print_table(result: dict[str, Any]) -> None:
             )
 
 
-def write_json(result: dict[str, Any], path: Path | None) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, path)
-
-
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def peak_for(device_kind: str) -> float | None:
     for needle, peak in PEAK_TFLOPS:
         if needle.lower() in device_kind.lower():
@@ -514,7 +429,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--budget-s",
         type=float,
         default=None,
-        help="start no new variant after this many seconds (default 480, or 300 with --smoke)",
+        help="start no new variant after this many seconds (default 480; none with --smoke, "
+        "whose runs must all finish however loaded the machine is)",
     )
     parser.add_argument(
         "--models",
@@ -527,7 +443,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         nargs="+",
         choices=tuple(VARIANTS),
         default=None,
-        help="default: all but f32-tf32 (which --tf32 adds)",
+        help="default: all but f32-tf32 (which --tf32 adds) and the float16 extras "
+        "(rw-f16, hand-f16, hand-f16-dynscale)",
     )
     parser.add_argument(
         "--trace-only",
@@ -535,6 +452,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="trace, rewrite and lower at abstract arguments; compile and run nothing",
     )
     parser.add_argument("--tf32", action="store_true", help="also float32 with TF32 matmuls")
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run the full-size models even when the default device is not a GPU (hours)",
+    )
     parser.add_argument(
         "--warmup", type=int, default=None, help="untimed steps (default 2; 1 with --smoke)"
     )
@@ -558,8 +480,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = args.steps if args.steps is not None else (5 if args.smoke else 10)
     if warmup < 1 or steps < 1:
         parser.error(f"--warmup and --steps must be >= 1; got {warmup} and {steps}")
-    budget = args.budget_s if args.budget_s is not None else (300.0 if args.smoke else 480.0)
-    variants = args.variants or [k for k in VARIANTS if k != "f32-tf32" or args.tf32]
+    if args.budget_s is not None:
+        budget = args.budget_s
+    else:
+        budget = math.inf if args.smoke else 480.0
+    variants = args.variants or [k for k in DEFAULT_VARIANTS if k != "f32-tf32" or args.tf32]
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     if args.smoke:  # before the backend starts: cheaper code generation (toy sizes, any speed)
         os.environ["XLA_FLAGS"] = " ".join(
@@ -569,6 +494,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     deadline = start + budget
     dev = jax.devices()[0]
+    if dev.platform != "gpu" and not (args.smoke or args.trace_only or args.allow_cpu):
+        parser.error(
+            f"the default device is {dev.platform} ({dev.device_kind}), not a GPU: the "
+            "full-size models would take hours here and measure nothing this benchmark is "
+            "for. Run it on a GPU machine, or pass --smoke (toy sizes), --trace-only (trace "
+            "and lower only) or --allow-cpu (run anyway)"
+        )
     limit = _memory_stats().get("bytes_limit")
     if args.gpt_batch is None and not args.smoke:
         args.gpt_batch = 32 if limit and limit > 100 * 2**30 else 16
@@ -578,10 +510,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "meta": {
             "jax": jax.__version__,
-            "jaxlib": _version("jaxlib"),
+            "jaxlib": version_of("jaxlib"),
             "jmp_rewrite": jmp_rewrite.__version__,
-            "flax": _version("flax"),
-            "optax": _version("optax"),
+            "flax": version_of("flax"),
+            "optax": version_of("optax"),
             "python": platform.python_version(),
             "platform": dev.platform,
             "device_kind": dev.device_kind,
@@ -595,14 +527,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "smoke": args.smoke,
             "warmup": warmup,
             "steps": steps,
-            "budget_s": budget,
+            "budget_s": None if math.isinf(budget) else budget,
             "argv": sys.argv[1:] if argv is None else list(argv),
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
         },
         "models": {},
     }
     print(
-        f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}, budget {budget:.0f} s",
+        f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}, budget "
+        + ("none" if math.isinf(budget) else f"{budget:.0f} s"),
         flush=True,
     )
 

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import optax
 
 import jmp_rewrite
+from jmp_rewrite.demo.report import machine
 
 # ~10M parameters: 1024 -> 1536 -> 1536 -> 1536 -> 1536 -> 256 MLP, with biases.
 LAYER_SIZES = (1024, 1536, 1536, 1536, 1536, 256)
@@ -236,6 +237,7 @@ def main() -> None:
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3 * 2.0**15), params)
 
     print(f"# Loss-scaling overhead: {n_params / 1e6:.2f}M parameters (float32), adam\n")
+    print(f"measured {machine()}")
     print(
         f"jax {jax.__version__}, optax {optax.__version__}, backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}), "

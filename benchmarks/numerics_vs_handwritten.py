@@ -32,8 +32,8 @@ Sections (models in ``tests/user_models.py`` unless said otherwise):
    CNN with batch norm (16x16x3, 10 classes of noisy templates), trained with Adam on fresh
    batches; the error is the mean over the last 10% of steps of ``|loss - loss_f32|``, with
    ``rewrite`` using TF's oneDNN bfloat16 lists (today's default), the float16 (CUDA) lists
-   passed as ``lists=jmp_rewrite.default_lists(jnp.float16)``, and ``float16`` itself;
-   averaged over ``--seeds`` (initialisation and data) seeds.
+   passed as ``lists=jmp_rewrite.default_lists(jnp.float16)``, and ``float16`` itself
+   (rewritten and by hand); averaged over ``--seeds`` (initialisation and data) seeds.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import user_models as um  # noqa: E402
 
 import jmp_rewrite  # noqa: E402
+from jmp_rewrite.demo.report import machine  # noqa: E402
 
 BF16, F16 = jnp.bfloat16, jnp.float16
 
@@ -240,6 +241,7 @@ LIST_VARIANTS: dict[str, tuple[str, Any, Callable[[], Any]]] = {
     "rewrite bf16, float16 (CUDA) lists": ("rewrite", BF16, lambda: jmp_rewrite.default_lists(F16)),
     "hand bf16": ("hand", BF16, lambda: None),
     "rewrite float16": ("rewrite", F16, lambda: None),
+    "hand float16": ("hand", F16, lambda: None),
     "noise (float32, rows permuted)": ("float32_perm", None, lambda: None),
 }
 
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     only = set(args.only or ["nnx", "bn", "embed", "lists"])
     results: dict[str, Any] = {"jax": jax.__version__, "device": str(jax.devices()[0])}
+    print(f"measured {machine()}, jax {jax.__version__}", flush=True)
     t0 = time.perf_counter()
     tables = []
 

@@ -60,13 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 
 import jmp_rewrite  # noqa: E402
-
-# The rewrite's pieces, timed separately (benchmark only; tests use the public API).
 from jmp_rewrite._src import _jax_compat as jc  # noqa: E402
 from jmp_rewrite._src.emit import Emitter  # noqa: E402
 from jmp_rewrite._src.graph import Graph  # noqa: E402
 from jmp_rewrite._src.paint import paint as paint_graph  # noqa: E402
-from jmp_rewrite._src.rewrite import resolve_config  # noqa: E402
+from jmp_rewrite._src.settings import resolve_config  # noqa: E402
+
+# The rewrite's pieces, timed separately (benchmark only; tests use the public API).
+from jmp_rewrite.demo.report import machine  # noqa: E402
 
 MATMULS = ("dot_general", "conv_general_dilated")
 
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     only = set(args.only or ("transformer", "resnet", "chain"))
 
     print(
-        f"jax {jax.__version__}, jmp_rewrite {jmp_rewrite.__version__}, "
+        f"measured {machine()}: jax {jax.__version__}, jmp_rewrite {jmp_rewrite.__version__}, "
         f"{jax.devices()[0].platform}, {args.dtype}, repeats={args.repeats}"
     )
     results: dict[str, dict[str, Any]] = {}

@@ -5,6 +5,7 @@ Public names only; the implementation lives in ``jmp_rewrite._src``, which is pr
 
 from importlib.metadata import PackageNotFoundError, version
 
+from jmp_rewrite._src.environment import lists_from_environment as lists_from_environment
 from jmp_rewrite._src.explain import CastReport as CastReport
 from jmp_rewrite._src.explain import EquationReport as EquationReport
 from jmp_rewrite._src.explain import Report as Report
@@ -13,11 +14,10 @@ from jmp_rewrite._src.facts import EquationPaint as EquationPaint
 from jmp_rewrite._src.op_lists import LEVELS as LEVELS
 from jmp_rewrite._src.op_lists import OpLists as OpLists
 from jmp_rewrite._src.op_lists import default_lists as default_lists
-from jmp_rewrite._src.op_lists import lists_from_environment as lists_from_environment
+from jmp_rewrite._src.op_lists import known_op_keys as known_op_keys
 from jmp_rewrite._src.regions import float32_region as float32_region
 from jmp_rewrite._src.rewrite import PaintResult as PaintResult
 from jmp_rewrite._src.rewrite import paint_program as paint
-from jmp_rewrite._src.rewrite import platform_dtype as platform_dtype
 from jmp_rewrite._src.rewrite import rewrite as rewrite
 from jmp_rewrite._src.rewrite import rewrite_jaxpr as rewrite_jaxpr
 from jmp_rewrite._src.seed import (
@@ -29,6 +29,8 @@ from jmp_rewrite._src.seed import (
 from jmp_rewrite._src.seed import (
     mixed_precision_graph_rewrite_enabled as mixed_precision_graph_rewrite_enabled,
 )
+from jmp_rewrite._src.settings import RewriteOffWarning as RewriteOffWarning
+from jmp_rewrite._src.settings import platform_dtype as platform_dtype
 
 try:
     __version__ = version("jmp_rewrite")
@@ -44,10 +46,12 @@ __all__ = (
     "EquationPaint",
     "OpLists",
     "PaintResult",
+    "RewriteOffWarning",
     "default_lists",
     "disable_mixed_precision_graph_rewrite",
     "enable_mixed_precision_graph_rewrite",
     "float32_region",
+    "known_op_keys",
     "lists_from_environment",
     "mixed_precision_graph_rewrite_enabled",
     "paint",
@@ -66,6 +70,7 @@ from jmp_rewrite._src.loss_scale_optimizer import (  # noqa: E402
     LossScaleDebugState,
     LossScaleOptimizerState,
     MixedPrecisionLossScaleOptimizer,
+    UnscaledGradientsWarning,
     all_finite,
     get_loss_scale,
     get_loss_scale_state,
@@ -83,6 +88,7 @@ __all__ += (
     "LossScaleDebugState",
     "LossScaleOptimizerState",
     "MixedPrecisionLossScaleOptimizer",
+    "UnscaledGradientsWarning",
     "all_finite",
     "get_loss_scale",
     "get_loss_scale_state",

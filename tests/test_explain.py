@@ -1,10 +1,12 @@
 """explain(): the per-equation report, totals, casts, and its three renderings."""
 
+import html
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jmp_rewrite as jr
@@ -104,7 +106,8 @@ def test_train_step_has_no_residual_figure_and_abstract_inputs_work():
     assert r.residual_bytes_float32 is None  # a train step: it already has its backward pass
 
 
-def test_float32_regions_are_left_out_of_the_flops_share():
+def test_float32_regions_count_as_float32_in_the_flops_share():
+    """A matmul in a float32 region runs in float32: the share says so, and says why."""
     w = jnp.ones((8, 8))
 
     @jr.float32_region
@@ -114,13 +117,73 @@ def test_float32_regions_are_left_out_of_the_flops_share():
     r = jr.explain(lambda x: check(jnp.tanh(x @ w)), jnp.ones((2, 8)), dtype=jnp.float16)
     region = [e for e in r.equations if e.in_float32_region and e.primitive == "dot_general"]
     assert len(region) == 1 and not region[0].half and region[0].flops > 0
-    assert r.half_flops_share == 1.0
+    assert r.half_flops_share == 0.5 and r.region_flops == region[0].flops == r.matmul_flops / 2
+    assert "FLOPs in half precision: 50.0% of 512 (256 in float32 regions" in r.summary()
+    assert {e.scope for e in region} == {"float32_region(check)"}  # by the function's name
 
 
-def test_default_dtype_on_cpu_is_float16():
-    assert jr.explain(loss, [W1, W2], X).dtype == "float16"
+def test_flops_share_without_matmuls_is_none_not_100_percent():
+    r = jr.explain(lambda x: jnp.exp(x).sum(), jnp.ones(3), dtype=jnp.float16)
+    assert r.half_flops_share is None and r.to_dict()["totals"]["half_flops_share"] is None
+    assert "FLOPs in half precision: none (no matmul or convolution)" in r.summary()
+
+
+def test_default_dtype_agrees_with_rewrite_off_on_cpu():
+    """dtype=None decides as rewrite does: on a CPU the rewrite is off, and the report says
+    why instead of showing a float16 rewrite that rewrite(loss) would not do."""
+    r = jr.explain(loss, [W1, W2], X)
+    assert r.dtype == "none" and not r.changed and r.equations == ()
+    assert "rewrite off (runs unchanged)" in str(r) and "default device is a cpu" in str(r)
+    assert "dtype=jnp.float16" in r.off_reason  # how to see what a GPU would run
+    with pytest.warns(jr.RewriteOffWarning, match="default device is a cpu"):
+        out = jr.rewrite(loss)([W1, W2], X)
+    assert out == loss([W1, W2], X)
+
+
+def test_default_dtype_follows_the_seed_api():
+    jr.enable_mixed_precision_graph_rewrite(optax.sgd(0.1), dtype=jnp.bfloat16)
+    try:
+        assert jr.explain(loss, [W1, W2], X).dtype == "bfloat16"
+    finally:
+        jr.disable_mixed_precision_graph_rewrite()
+
+
+def test_a_rewritten_function_is_explained_with_its_own_settings():
+    """README's first example: explain(jit(rewrite(step))) explains step as rewritten, not
+    the already rewritten program (whose matmuls are no longer float32)."""
+    lists = jr.default_lists(jnp.float16).move("tanh", to="deny")
+    inner = jr.rewrite(loss, dtype=jnp.float16, lists=lists)
+    r = jr.explain(jax.jit(inner), [W1, W2], X, residuals=False)
+    assert r.dtype == "float16" and r.changed and r.half_flops_share == 1.0
+    assert [e.colour for e in r.equations if e.primitive == "tanh"] == ["deny"]
+    assert r.explained.startswith("loss, the function inside jit(rewrite(loss, dtype=float16))")
+    assert r.summary().splitlines()[0].startswith("explained: loss")
+    assert jr.explain(inner, [W1, W2], X, residuals=False).explained.startswith(
+        "loss, the function inside rewrite(loss, dtype=float16)"
+    )
+    # Arguments given to explain win over the rewrite's.
+    assert jr.explain(inner, [W1, W2], X, dtype=jnp.bfloat16, residuals=False).dtype == "bfloat16"
+
+
+def test_a_rewritten_function_called_inside_is_noted():
+    inner = jr.rewrite(loss, dtype=jnp.float16)
+    r = jr.explain(jax.grad(inner), [W1, W2], X, dtype=jnp.float16)
+    assert "rewrite(loss) inside it shows as already rewritten" in r.explained
 
 
 def test_bad_dtype():
     with pytest.raises(ValueError, match="bfloat16"):
         jr.explain(loss, [W1, W2], X, dtype=np.float64)
+
+
+def test_html_explains_lists_colours_and_each_reason_in_words():
+    from jmp_rewrite._src.explain_html import LIST_MEANINGS
+
+    page = jr.explain(loss, [W1, W2], X, dtype=jnp.float16).to_html()
+    assert "Legend: lists and colours" in page
+    for meaning in LIST_MEANINGS.values():
+        assert html.escape(meaning) in page
+    # The reason is a cell of its own, not only a hover title.
+    assert "<td>on the allow list</td>" in page and "<td>between half-precision ops</td>" in page
+    off = jr.explain(loss, [W1, W2], X).to_html()  # rewrite off on CPU: says why, no table
+    assert "rewrite off (runs unchanged)" in off and "<table" not in off

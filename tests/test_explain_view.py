@@ -195,7 +195,10 @@ def test_loss_scaled_step_keeps_the_forward_pass_forward():
     assert phases == {"forward", "backward"}
     region = [e for e in r.equations if e.in_float32_region]
     assert region and {e.phase for e in region} == {"optimizer"}
-    assert {e.scope for e in region} == {"jmp_rewrite_float32_region"}
+    assert {e.scope for e in region} == {
+        "float32_region(loss_scale_optimizer_update)",
+        "float32_region(loss_scale_optimizer_update)/check_finite",  # the check's own scope
+    }
 
 
 def test_nested_jit_bodies_join_scope_and_source_of_their_caller():
@@ -272,11 +275,11 @@ class Wide(nnx.Module):
 
     def __call__(self, x):
         h = self.up(x)  # wide up
-        h = jax.nn.gelu(h, approximate=True)  # wide gelu
+        h = h * (1.0 + 0.044715 * h**3)  # wide gate
         return self.down(h)  # wide down
 
 
-def test_lint_tensor_core_shapes_and_gelu_deny_chain():
+def test_lint_tensor_core_shapes_and_power_deny_chain():
     graphdef, params = nnx.split(Wide(nnx.Rngs(0)))
 
     def loss(params, x):
@@ -294,14 +297,16 @@ def test_lint_tensor_core_shapes_and_gelu_deny_chain():
     assert "contracting 100" in cores[1].message and "output features" not in cores[1].message
     assert cores[0].change.endswith("output features 100 -> 104")
     assert cores[0].flops == 2 * 32 * 64 * 100
-    # gelu's x**3 (integer_pow, deny) keeps the chain between the matmuls float32
+    # the gate's x**3 (integer_pow, deny) keeps the chain between the matmuls float32 (a
+    # tanh-GELU's x**3 would not: it only feeds the tanh, where an overflow saturates)
     chains = [f for f in found if f.kind == "deny_chain"]
     assert [f.change for f in chains] == ['lists.move("integer_pow", to="infer")']
     chain = chains[0]
-    assert chain.source == line_of(Wide.__call__, "# wide gelu") and chain.scope == "Wide"
+    assert chain.source == line_of(Wide.__call__, "# wide gate") and chain.scope == "Wide"
     assert "40" in chain.risk  # overflows half for |x| > 40
-    tanh = next(e for e in r.equations if e.primitive == "tanh")
-    assert not tanh.half and tanh.released_by == ("integer_pow",)
+    gate_line = line_of(Wide.__call__, "# wide gate")
+    gate = next(e for e in r.equations if e.primitive == "add" and e.source == gate_line)
+    assert not gate.half and gate.released_by == ("integer_pow",)
     # The promise holds: with that one change the released equations run in half precision.
     moved = jr.explain(
         loss,
@@ -311,7 +316,7 @@ def test_lint_tensor_core_shapes_and_gelu_deny_chain():
         lists=jr.default_lists(jnp.float16).move("integer_pow", to="infer"),
     )
     released = [i for i, e in enumerate(r.equations) if e.released_by]
-    assert len(released) == len(chain.equations) >= 5
+    assert len(released) == len(chain.equations) >= 4  # x**3, its scaling, the gate
     assert all(moved.equations[i].half for i in released)
     assert chain.bytes == sum(explain_view.produced_bytes(r.equations[i])[0] for i in released)
 
@@ -346,7 +351,7 @@ def test_text_view():
     dense0 = next(line for line in lines if line.startswith("LinenMLP/Dense_0"))
     assert dense0.split()[1:4] == ["forward", "3", "100%"]
     assert lines[lines.index(dense0) + 1].split()[0] == "backward"
-    assert "lint (" in text and 'lists.move("integer_pow", to="infer")' in text
+    assert "lint (" in text and 'lists.move("reduce_sum", to="infer")' in text
     by_line = r.format("line")
     assert f"{os.path.relpath(HERE)}:" in by_line and "LinenMLP/Dense_0" in by_line
 

@@ -335,6 +335,35 @@ def test_helpers_reject_states_without_exactly_one_loss_scale_state():
         jr.non_finite_leaves(plain.init(PARAMS), PARAMS)
 
 
+def test_update_with_the_inner_optimizers_state_says_how_to_wrap_it():
+    """Issue 14 item 6: an old checkpoint (the inner optimizer's state) restored into the
+    wrapped optimizer (was: ``AttributeError: 'tuple' object has no attribute ...``)."""
+    tx = jr.loss_scale_optimizer(optax.adam(1e-3))
+    old_state = optax.adam(1e-3).init(PARAMS)
+    with pytest.raises(TypeError, match=r"expects the state its own init returns.*got a tuple"):
+        tx.update(PARAMS, old_state, PARAMS)
+    # The fix the message gives works, and keeps the restored moments.
+    old_state = optax.adam(1e-3).update(PARAMS, old_state, PARAMS)[1]
+    state = tx.init(PARAMS)._replace(inner_state=old_state)
+    _, state = tx.update(PARAMS, state, PARAMS)
+    assert int(state.inner_state[0].count) == 2 and int(state.applied_steps) == 1
+
+
+def test_value_and_grad_with_jax_calling_convention_says_state_first():
+    """Issue 14 item 6: ``value_and_grad(loss)(params, x, y)`` (was: a TypeError from the
+    user's own function, ``missing 1 required positional argument``)."""
+
+    def loss(params, x, y):
+        return jnp.sum((params["w"] * x - y) ** 2)
+
+    x = jnp.ones(2)
+    with pytest.raises(TypeError, match=r"value_and_grad\(loss\)\(opt_state, \*args\).*a dict"):
+        jr.value_and_grad(loss)(PARAMS, x, x)
+    state = jr.loss_scale_optimizer(optax.sgd(0.1), 4).init(PARAMS)
+    value, _ = jr.value_and_grad(loss)(state, PARAMS, x, x)  # the call the message gives
+    assert float(value) == float(loss(PARAMS, x, x))
+
+
 # --------------------------------------------------------------------------------------------
 # Helpers.
 

@@ -343,3 +343,107 @@ def test_equinox_grad_outside_the_rewrite():
     g, rg = grads.mlp.layers[0].weight, ref_grads.mlp.layers[0].weight
     assert g.dtype == jnp.float32
     assert float(jnp.linalg.norm(g - rg) / jnp.linalg.norm(rg)) < 5e-2
+
+
+# -- A skipped step leaves everything as it was, whatever the model library ----------------
+
+
+def _bits(tree):
+    """Every array leaf as bytes (with its path), for bit-for-bit comparisons."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): np.asarray(v).tobytes() for p, v in flat}
+
+
+def _negative_zero(tree):
+    """``tree`` with the first element of its first float leaf set to -0.0."""
+    leaves, treedef = jax.tree.flatten(tree)
+    i = next(i for i, v in enumerate(leaves) if jnp.issubdtype(v.dtype, jnp.floating))
+    leaves[i] = leaves[i].reshape(-1).at[0].set(-0.0).reshape(leaves[i].shape)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _skip_case(library):
+    """``(step, params, opt_state)``: ``step(params, opt_state, x, y, mult)`` returns the new
+    pair; ``mult`` multiplies the gradients. Adam with weight decay (the update reads the
+    parameters); NNX through ``nnx.remat`` and ``nnx.Optimizer``, functional (a ``jax.jit``
+    step over ``nnx.split``'s state)."""
+    tx = jr.loss_scale_optimizer(optax.adamw(1e-3))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+
+    def ce(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    if library == "nnx_remat":
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.blocks = nnx.List([nnx.Linear(16, 16, rngs=rngs) for _ in range(2)])
+                self.head = nnx.Linear(16, 4, rngs=rngs)
+
+            def __call__(self, h):
+                for block in self.blocks:
+                    h = nnx.remat(lambda b, h: jax.nn.gelu(b(h)))(block, h)
+                return self.head(h)
+
+        model = Net(nnx.Rngs(0))
+        graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+        def step(params, opt_state, x, y, mult):
+            model, opt = nnx.merge(graphdef, {**params, **opt_state})
+
+            def loss_fn(model):
+                return jr.scale_loss(ce(model(x), y), opt)
+
+            grads = nnx.grad(loss_fn)(model)
+            opt.update(model, jax.tree.map(lambda g: g * mult, grads))
+            new = nnx.state((model, opt))
+            return {0: new[0]}, {1: new[1]}
+
+        return step, {0: state[0]}, {1: state[1]}, x
+
+    if library == "linen":
+        import flax.linen as nn
+
+        net = nn.Sequential([nn.Dense(16), nn.gelu, nn.Dense(4)])
+        params = net.init(jax.random.key(0), x)
+        apply = net.apply
+    elif library == "equinox":
+        import equinox as eqx
+
+        mlp = eqx.nn.MLP(16, 4, 16, 1, activation=jax.nn.gelu, key=jax.random.key(0))
+        params, static = eqx.partition(mlp, eqx.is_array)
+        apply = lambda p, x: jax.vmap(eqx.combine(p, static))(x)  # noqa: E731
+    else:  # plain dicts
+        k1, k2 = jax.random.split(jax.random.key(0))
+        params = {"w1": 0.25 * jax.random.normal(k1, (16, 16)), "b1": jnp.zeros(16)}
+        params["w2"] = 0.25 * jax.random.normal(k2, (16, 4))
+        apply = lambda p, x: jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"]  # noqa: E731
+
+    def step(params, opt_state, x, y, mult):
+        _, grads = jr.value_and_grad(lambda p: ce(apply(p, x), y))(opt_state, params)
+        updates, opt_state = tx.update(jax.tree.map(lambda g: g * mult, grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, params, tx.init(params), x
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("library", ["nnx_remat", "linen", "equinox", "dicts"])
+def test_skipped_step_leaves_parameters_and_optimizer_state_bit_identical(library, dtype):
+    """Issue 14 item 2: a rewritten ``jax.jit`` step whose gradients are multiplied by inf is
+    skipped, and every parameter and inner optimizer-state leaf is bit-identical afterwards,
+    a parameter at -0.0 included (``p + 0.0`` would make it +0.0)."""
+    step, params, opt_state, x = _skip_case(library)
+    y = jnp.arange(len(x)) % 4
+    step = jax.jit(jr.rewrite(step, dtype=dtype))
+    params, opt_state = step(params, opt_state, x, y, jnp.float32(1.0))
+    params = _negative_zero(params)
+    inner = lambda s: jr.get_loss_scale_state(s).inner_state  # noqa: E731
+    before = _bits(params), _bits(inner(opt_state))
+    scale = float(jr.get_loss_scale(opt_state))
+    params, opt_state = step(params, opt_state, x, y, jnp.float32(jnp.inf))
+    assert not bool(jr.last_step_applied(opt_state))
+    assert float(jr.get_loss_scale(opt_state)) == scale / 2
+    after = _bits(params), _bits(inner(opt_state))
+    assert after[0] == before[0], sorted(k for k in before[0] if after[0][k] != before[0][k])
+    assert after[1] == before[1], sorted(k for k in before[1] if after[1][k] != before[1][k])

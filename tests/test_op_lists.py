@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import jmp_rewrite
-from jmp_rewrite._src import op_lists
+from jmp_rewrite._src import environment, op_lists
+from jmp_rewrite._src.environment import env_var_name, lists_from_environment
 from jmp_rewrite._src.op_lists import (
     DIFFERENCES_FROM_TF,
     FLOAT32_ONLY,
@@ -28,15 +29,15 @@ from jmp_rewrite._src.op_lists import (
     NON_FLOAT,
     REASONS,
     STRUCTURAL,
+    VIRTUAL_KEYS,
     OpLists,
     apply_level,
     canonical_level,
     default_lists,
-    env_var_name,
+    dot_general_key,
     integer_pow_key,
     jit_key,
     known_op_keys,
-    lists_from_environment,
 )
 
 FP16 = default_lists("float16")
@@ -500,7 +501,7 @@ def test_env_level_unknown_names_the_variable():
 @pytest.fixture
 def fresh_env_warnings(monkeypatch):
     """Forget which misspelled variables were warned about (once per name and process)."""
-    monkeypatch.setattr(op_lists, "_WARNED_ENV_NAMES", set())
+    monkeypatch.setattr(environment, "_WARNED_ENV_NAMES", set())
 
 
 TYPOS = [
@@ -545,8 +546,9 @@ def test_env_misspelling_warns_once_per_name():
 
 @pytest.mark.usefixtures("fresh_env_warnings")
 def test_env_valid_and_unrelated_names_do_not_warn():
-    env = dict.fromkeys(op_lists.env_var_names(), "")
-    env |= {"JMP_REWRITER": "x", "XLA_FLAGS": "", "TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE": "1"}
+    env = dict.fromkeys(environment.env_var_names(), "")
+    env |= dict.fromkeys(environment.env_var_names("tf"), "")
+    env |= {"JMP_REWRITER": "x", "XLA_FLAGS": "", "TF_ENABLE_ONEDNN_OPTS": "1"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert lists_from_environment("float16", env) == (FP16, "DEFAULT")
@@ -747,13 +749,14 @@ def test_classified_names_are_real_primitives():
         "jax.experimental.buffer_callback",
         "jax.experimental.fused",
         "jax.experimental.scheduling_groups",
+        "equinox.internal",  # Equinox's primitives (diffrax's loops)
     ):
         importlib.import_module(name)
     jax.nn.dot_product_attention  # noqa: B018 - imports the cuDNN attention primitives
     real = {o.name for o in gc.get_objects() if isinstance(o, jex_core.Primitive)}
     classified = set(REASONS) | set(FLOAT32_ONLY) | set(STRUCTURAL) | set(NON_FLOAT)
     virtual = {k for k in classified if k.startswith("jit:")} | _OTHER_VERSION_NAMES
-    assert sorted(classified - real - virtual) == []
+    assert sorted(classified - real - virtual - VIRTUAL_KEYS) == []
 
 
 # ------------------------------------------------------------------------------------------
@@ -774,6 +777,8 @@ def _keys_in(fn, *args) -> list[str]:
         name = eqn.primitive.name
         if name == "integer_pow":
             name = integer_pow_key(eqn.params["y"])
+        if name == "dot_general":
+            name = dot_general_key(eqn.params["dimension_numbers"])
         keys.append(name)
         if name == "jit":
             keys.append(jit_key(eqn.params["name"]))
@@ -802,6 +807,22 @@ def test_a_training_step_traces_only_classified_primitives():
     assert {k for k in keys if not k.startswith("jit:")} - classified == set()
     assert {"dot_general", "reciprocal", "square", "jit:log_softmax", "jit:softplus"} <= set(keys)
     assert "integer_pow" in keys  # gelu's x**3 (TF Pow: deny)
+
+
+@pytest.mark.parametrize(
+    "spec", ["i,j->ij", "bi,bj->bij", "i,i->i"], ids=["outer", "batched_outer", "elementwise"]
+)
+def test_dot_general_without_contraction_is_an_infer_mul(spec):
+    """Issue 14 item 3: RoPE's ``einsum("i,j->ij", pos, inv_freq)`` is TF's Mul (infer), not
+    a matmul; ``i,j->`` (a contraction) stays a matmul."""
+    a = jnp.ones((2, 3)) if spec.startswith("b") else jnp.ones(3)
+    keys = _keys_in(lambda a, b: jnp.einsum(spec, a, b), a, a)
+    assert "outer_product" in keys and "dot_general" not in keys, keys
+    v = jnp.ones(3)
+    assert "dot_general" in _keys_in(lambda a, b: jnp.einsum("i,i->", a, b), v, v)
+    for lists in (FP16, BF16):
+        assert lists.kind("outer_product") == "infer" == lists.kind("mul")
+    assert REASONS["outer_product"].startswith("TF Mul")
 
 
 def test_module_doctests():

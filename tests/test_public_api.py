@@ -17,6 +17,7 @@ MODULES = [
     "loss_scale_optimizer",
     "finite",
     "loss_scale_state",
+    "environment",
 ]
 
 

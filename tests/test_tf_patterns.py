@@ -315,7 +315,10 @@ def test_t5_bidirectional_clear_chain(relu_fn):
         return allow1, clr4, clr3
 
     # Clear propagation reaches clr2 and clr4 *through* the comparison, in both directions.
-    expected = rows("max:A", "max:A", "dot_general:A", "gt:A", "max:A")
+    # Documented difference (paint.keep_float32_reads_unrounded): clr4 is an output and
+    # clr2 -> clr4 only move the float32 input, so they stay float32 (TF: half, and clr4
+    # cast back to float32 at the fetch); the comparison reads clr2 cast after it instead.
+    expected = rows("max:A", "max:F", "dot_general:A", "gt:A", "max:F")
     check(t5, (X,), expected, casts=None)
 
 
@@ -359,7 +362,8 @@ def test_t6_outputs_are_not_preserved_documented_difference():
         "max:A",  # clr1 (TF: f32, next to a preserved node)
         "sqrt:F",  # infer1: not between allows; pass 4 sees clr1 unpainted
         "exp:D",
-        "max:A",  # clr2 (TF: f32, preserved): not in U, so deny stops before it
+        "max:F",  # clr2 (TF: f32, preserved): not in U, so deny stops before it; an
+        # output moving the float32 exp, so float32 (paint.keep_float32_reads_unrounded)
         "dot_general:A",  # allow2
         "max:A",  # clr3 (TF: f32, preserved)
         "exp:D",
@@ -369,9 +373,9 @@ def test_t6_outputs_are_not_preserved_documented_difference():
 
 
 def test_t6_casts():
-    # x -> half, clr1 -> sqrt, exp -> clr2, clr3 -> exp (shared with clr3's output cast),
-    # allow1 and clr2 back to float32 at the outputs.
-    assert added_casts(_t6, X) == 6
+    # x -> half, clr1 -> sqrt, clr2 -> half for allow2, clr3 -> exp (shared with clr3's
+    # output cast), allow1 back to float32 at the output (clr2 is float32: see above).
+    assert added_casts(_t6, X) == 5
 
 
 @pytest.mark.parametrize("version", [True, False], ids=["tf2.21", "tf2.19"])
@@ -590,12 +594,19 @@ def _letter(letter: str, v: Any, w: Any) -> Any:
     return jnp.sqrt(jax.lax.pow(v, 2.0))
 
 
+# OUR documented behaviour, not TF v1's (issue 14): a loop body that updates its carry from
+# itself (loop3's ``v + 0.1``) keeps the carry and the update float32, as state. TF v1 paints
+# them half (G between W's across the back edge); TF 2.x's functional While keeps the carry
+# float32 at the loop boundary and the body (no allow op) float32, as we do.
+_OUR_LOOP_BODIES = {("G", "F")}
+
+
 def _letter_rows(letters: str, codes: str) -> list[tuple[str, str]]:
     key = {"w": "dot_general", "g": "add", "c": "max", "b": "sqrt"}
     out = []
     for letter, code in zip(letters, codes, strict=True):
         # TF's letters: a capital is expected half precision, so must be painted allow.
-        assert letter.isupper() == (code == "A"), (letter, code)
+        assert letter.isupper() == (code == "A") or (letters, codes) in _OUR_LOOP_BODIES
         if letter.lower() == "b":
             out.append(("pow", D))
         out.append((key[letter.lower()], _CODE[code]))
@@ -606,8 +617,9 @@ def _letter_rows(letters: str, codes: str) -> list[tuple[str, str]]:
 LOOP_TESTS = [
     pytest.param("W", "C", "C", "A", "A", "A", "A", id="loop1"),
     pytest.param("C", "C", "W", "A", "A", "A", "A", id="loop2"),
-    # The infer op lies between allows *across* the back edge (pass 3).
-    pytest.param("W", "G", "W", "A", "A", "A", "A", id="loop3"),
+    # TF v1: the infer op lies between allows *across* the back edge (pass 3). Ours: the carry
+    # is updated from itself (``v + 0.1``): state, float32 with its update (_OUR_LOOP_BODIES).
+    pytest.param("W", "G", "W", "A", "F", "A", "F", id="loop3"),
     # The deny from the body's Pow goes round the back edge: the carry (TF's Merge/Switch/
     # NextIteration) is float32, cast at entry and exit (TF's Enter/Exit are half).
     pytest.param("W", "gbg", "W", "A", "DDD", "A", "D", id="loop4"),
@@ -921,7 +933,12 @@ PROBES: dict[str, tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = 
     "T-integer_pow": (
         lambda x, w: ((x @ w) ** 3) @ w,
         (X, W),
-        _same(rows("dot_general:A", "integer_pow:D", "dot_general:A"), 5),
+        {
+            **_same(rows("dot_general:A", "integer_pow:D", "dot_general:A"), 5),
+            # Documented difference (op_lists.DIFFERENCES_FROM_TF): Pow is infer in bfloat16,
+            # which has float32's exponent range; TF keeps it deny (5 casts).
+            "bf16": (_all_allow(rows("dot_general:A", "integer_pow:D", "dot_general:A")), 3),
+        },
     ),
     # W (while loop): test_probe_w. X: pass 4 paints the chain in one sweep (2.21).
     "X": (

@@ -212,17 +212,21 @@ def _is_source(x: Any) -> bool:
 # ------------------------------------------------------------------------------------------
 
 #: (optimizer, dtype) -> the optimizer equations ``keep_state_updates_float32`` keeps float32
-#: without a region: every equation between a state input and the output it updates. The
-#: parameters' update reads Adam's moments (inputs of the parameters' shape), so Adam's whole
-#: update (moments, bias correction, sqrt, div; for weights and biases) is on such a chain:
-#: 30 add, 18 div, 6 mul, 6 sqrt for 3 layers in both dtypes. SGD with momentum: trace =
-#: g + 0.9 * trace and params + update, 12 add and 6 mul. Before this pass, TF's passes 3/4
-#: painted the weights' part of these half (9 equations for SGD, 9 for Adam in bf16).
+#: without a region: every equation on a linear chain from a state input to an output that
+#: updates it, and the linear tail of each increment (sums, scalings by scalars). SGD with
+#: momentum: trace = g + 0.9 * trace and params - lr * trace, 12 add and 12 mul for 3 layers.
+#: Adam: the moments' b * m + (1 - b) * g (g**2's scaling), the bias corrections (divisions
+#: by the scalar 1 - b**t), the parameters' update, which is linear in mu and so also an
+#: update of that input of the parameters' shape (mu_hat / (sqrt(nu_hat) + eps): 12 div),
+#: -lr * ... and params + update: 30 mul, 24 add, 12 div and the scalar 1 - b**t, in both
+#: dtypes. sqrt(nu_hat) is no state (nonlinear in nu) and TF's passes leave it float32.
+#: Before this pass, TF's passes 3/4 painted the weights' part of these half (9 equations for
+#: SGD, 9 for Adam in bf16).
 STATE_KEPT_FLOAT32 = {
-    ("adam", "bfloat16"): {"add": 30, "div": 18, "mul": 6, "sqrt": 6},
-    ("adam", "float16"): {"add": 30, "div": 18, "mul": 6, "sqrt": 6},
-    ("sgd_momentum", "bfloat16"): {"add": 12, "mul": 6},
-    ("sgd_momentum", "float16"): {"add": 12, "mul": 6},
+    ("adam", "bfloat16"): {"add": 24, "div": 12, "mul": 30, "sub": 1},
+    ("adam", "float16"): {"add": 24, "div": 12, "mul": 30, "sub": 1},
+    ("sgd_momentum", "bfloat16"): {"add": 12, "mul": 12},
+    ("sgd_momentum", "float16"): {"add": 12, "mul": 12},
 }
 
 

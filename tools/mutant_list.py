@@ -36,6 +36,8 @@ T_INV = "tests/test_invariants.py::"
 T_LS = "tests/test_loss_scale.py"
 T_LSO = "tests/test_loss_scale_optimizer.py::"
 T_NUM = "tests/test_numerics.py::"
+T_LOOPS = "tests/test_state_in_loops.py::"
+T_LIBS = "tests/test_model_libraries.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -150,7 +152,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.state_updates_not_kept",
         "paint.py",
-        "            if inp.shape == aval.shape and is_f32(inp.dtype):",
+        "            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):",
         "            if False:",
         (
             T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
@@ -177,8 +179,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.statistics_climb_through_matmuls",
         "paint.py",
-        "        return n.eqn is not None and n.process and n.listed_kind != ALLOW",
-        "        return n.eqn is not None and n.process",
+        "        return n.eqn is not None and n.unit is None and not n.region and n.listed_kind != ALLOW",
+        "        return n.eqn is not None and n.unit is None and not n.region",
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
         "an allowlist op between an rsqrt and a reduction is kept float32 with the statistic",
         survives="equivalent for statistics computed by reductions: the walks stop at "
@@ -221,18 +223,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "[17.1] one float32 value makes an equation float32",
     ),
     _m(
-        "graph.cube_is_square",
-        "graph.py",
-        '"square" if y == 2 else "integer_pow"',
-        '"square" if y in (2, 3) else "integer_pow"',
+        "op_lists.cube_is_square",
+        "op_lists.py",
+        '{-1: "reciprocal", 2: "square"}',
+        '{-1: "reciprocal", 2: "square", 3: "square"}',
         T_DTYPES + "test_cubes_stay_float32_in_float16",
         "x**3 takes Square's list instead of Pow's (deny)",
     ),
     _m(
-        "graph.computed_values_clamped",
-        "graph.py",
-        "        const = all(o.const for o in ins)",
-        "        const = any(o.const for o in ins)",
+        "origins.computed_values_clamped",
+        "origins.py",
+        "    const = all(o.const for o in ins)",
+        "    const = any(o.const for o in ins)",
         T_DTYPES + "test_computed_values_overflow_honestly",
         "a value computed from an input and a constant is clamped instead of overflowing",
     ),
@@ -245,8 +247,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a call passes an input it returns cast to half when its readers are half",
     ),
     _m(
-        "graph.sub_not_a_state_update",
-        "graph.py",
+        "origins.sub_not_a_state_update",
+        "origins.py",
         '_COMBINES = ("add", "sub", "add_any")',
         '_COMBINES = ("add", "add_any")',
         T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
@@ -466,8 +468,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "TENSOR_CORES_ONLY keeps the infer/deny/clear lists",
     ),
     _m(
-        "op_lists.env_remove_ignored",
-        "op_lists.py",
+        "environment.env_remove_ignored",
+        "environment.py",
         "        sets[kind] -= to_remove",
         "        pass",
         T_OPS + "test_env_add_and_remove_each_list",
@@ -597,5 +599,41 @@ MUTANTS: tuple[Mutant, ...] = (
         "        last_step_applied=jnp.array(True),",
         T_LSO + "test_step_sequence_sgd_momentum",
         "last_step_applied reports True after a skipped step",
+    ),
+    # ---- issue 14: state in loops ----------------------------------------------------------
+    _m(
+        "paint.loop_state_not_kept",
+        "paint.py",
+        "        if ls.recurrent and g.nodes[ls.carry].float32:",
+        "        if False:",
+        (
+            T_LOOPS + "test_item1_training_steps_in_a_loop",
+            T_LOOPS + "test_item1_rk4_neural_ode",
+        ),
+        "[14.1] a loop carry updated as old + small is rounded to half every iteration",
+    ),
+    _m(
+        "op_lists.outer_product_is_a_matmul",
+        "op_lists.py",
+        '    return "dot_general" if len(lhs_contract) else "outer_product"',
+        '    return "dot_general"',
+        T_LOOPS + "test_item3_rope_angles_are_not_rounded",
+        "[14.3] an einsum contracting nothing (RoPE's angles) is painted allow",
+    ),
+    _m(
+        "graph.log_softmax_residual_not_deny",
+        "graph.py",
+        '            if out[i] is None or piece is None or self.nodes[piece].listed_kind != "deny":',
+        "            if True:",
+        T_LOOPS + "test_item4_log_softmax_gradient_is_float32",
+        "[14.4] log-softmax's gradient runs in half (its exp residual is no deny vertex)",
+    ),
+    _m(
+        "optimizer.skip_adds_plus_zero",
+        "loss_scale_optimizer.py",
+        "        return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros",
+        "        return zeros",
+        T_LIBS + "test_skipped_step_leaves_parameters_and_optimizer_state_bit_identical",
+        "[14.2] a skipped step adds +0.0: a parameter at -0.0 comes back as +0.0",
     ),
 )

@@ -1,197 +1,67 @@
-"""The command line: ``python -m jmp_rewrite {demo,explain}``.
+"""The command line: ``python -m jmp_rewrite {demo,explain,compare}``.
 
 * ``demo``: trains a small model in float32 and in mixed precision and compares them (see
   :mod:`jmp_rewrite.demo`); ``make demo`` runs it.
 * ``explain MODULE:FUNCTION --shapes "f32[8,16],f32[16]"``: prints
   :func:`jmp_rewrite.explain`'s report for a function of the user's, traced at those shapes
-  (``--by scope|line|primitive``: grouped, with the lint).
+  (``--by scope|line|primitive``: grouped, with the lint). ``--factory MODULE:FUNCTION``
+  instead names a function returning ``(fn, args)``, for arguments that are pytrees.
+* ``compare``: the same inputs, run through :func:`jmp_rewrite.compare` (float32 against the
+  rewrite, equation by equation, with suggested list changes).
 
 Errors in the arguments (an unknown option, a bad shape spec, a module or function that cannot
-be found) print a one-line message and exit with status 2; a function that fails to trace
-exits with status 1.
+be found, a factory that returns something else) print a one-line message and exit with status
+2; a function that fails to trace or run exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import html
-import importlib
-import importlib.util
 import json
 import os
-import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-#: Short dtype names accepted in ``--shapes`` (any NumPy/JAX dtype name works as well).
-DTYPE_ALIASES: dict[str, str] = {
-    "f16": "float16",
-    "bf16": "bfloat16",
-    "f32": "float32",
-    "f64": "float64",
-    "i8": "int8",
-    "i16": "int16",
-    "i32": "int32",
-    "i64": "int64",
-    "u8": "uint8",
-    "u16": "uint16",
-    "u32": "uint32",
-    "u64": "uint64",
-    "c64": "complex64",
-    "c128": "complex128",
-    "pred": "bool",
-}
+from jmp_rewrite._src.cli_inputs import (
+    DTYPE_ALIASES,
+    UsageError,
+    concrete,
+    load_factory,
+    load_function,
+    parse_shapes,
+)
 
-_SPEC_RE = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]*)\s*\[([^\[\]]*)\]\s*")
-
-
-class UsageError(Exception):
-    """A bad command-line argument; reported as ``error: ...`` with exit status 2."""
-
-
-# --------------------------------------------------------------------------------------------
-# --shapes
-
-
-def _parse_dtype(name: str, spec: str) -> Any:
-    import jax
-    import jax.numpy as jnp
-
-    canonical = DTYPE_ALIASES.get(name.lower(), name.lower())
-    try:
-        dtype = jnp.dtype(canonical)
-    except TypeError:
-        raise UsageError(
-            f"unknown dtype {name!r} in shape spec {spec!r}; use one of "
-            f"{', '.join(DTYPE_ALIASES)} or a NumPy dtype name such as float32"
-        ) from None
-    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
-        raise UsageError(
-            f"{name}: 64-bit dtypes need JAX_ENABLE_X64=1 in the environment (spec {spec!r})"
-        )
-    return dtype
-
-
-def parse_shapes(text: str) -> list[Any]:
-    """Parses ``"f32[8,16],f32[16],i32[]"`` into ``jax.ShapeDtypeStruct`` objects.
-
-    Each item is ``DTYPE[d0,d1,...]``: a dtype (``f16``, ``bf16``, ``f32``, ``i32``, ...,
-    or a NumPy name such as ``float32``) and the dimensions, non-negative integers;
-    ``DTYPE[]`` is a scalar. Items are separated by commas; spaces are ignored.
-
-    Args:
-      text: the spec.
-
-    Returns:
-      One ``jax.ShapeDtypeStruct`` per item, in order.
-
-    Raises:
-      UsageError: with a message pointing at the offending item.
-
-    Example:
-      >>> [(s.shape, str(s.dtype)) for s in parse_shapes("f32[8,16], i32[]")]
-      [((8, 16), 'float32'), ((), 'int32')]
-    """
-    import jax
-
-    if not text or not text.strip():
-        raise UsageError('--shapes is empty; expected e.g. "f32[8,16],f32[16]"')
-    out, pos = [], 0
-    while pos < len(text):
-        match = _SPEC_RE.match(text, pos)
-        if match is None:
-            rest = text[pos:].strip()
-            raise UsageError(
-                f"cannot parse shape spec at {rest!r} (in {text!r}); expected items like "
-                'f32[8,16] separated by commas, e.g. "f32[8,16],f32[16],i32[]"'
-            )
-        name, dims_text = match.group(1), match.group(2)
-        item = match.group(0).strip()
-        dtype = _parse_dtype(name, item)
-        dims = []
-        if dims_text.strip():
-            for d in dims_text.split(","):
-                d = d.strip()
-                if not d.isdigit():
-                    raise UsageError(
-                        f"bad dimension {d!r} in {item!r}: dimensions are non-negative integers"
-                    )
-                dims.append(int(d))
-        out.append(jax.ShapeDtypeStruct(tuple(dims), dtype))
-        pos = match.end()
-        if pos < len(text):
-            if text[pos] != ",":
-                raise UsageError(f"expected ',' after {item!r} in {text!r}, got {text[pos:]!r}")
-            pos += 1
-            if not text[pos:].strip():
-                raise UsageError(f"trailing ',' in shape spec {text!r}")
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# MODULE:FUNCTION
-
-
-def load_function(target: str) -> Callable[..., Any]:
-    """Imports ``MODULE:FUNCTION`` (``MODULE`` importable from the current directory).
-
-    ``MODULE`` is a dotted module name or a path to a ``.py`` file; ``FUNCTION`` may be
-    dotted (``Class.method``, ``obj.attr``).
-
-    Raises:
-      UsageError: if the target is malformed, the module cannot be imported, the attribute
-        does not exist or is not callable.
-    """
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(
-            f"expected MODULE:FUNCTION (e.g. mymodel:loss or path/to/file.py:loss), got {target!r}"
-        )
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    if module_name.endswith(".py"):
-        if not os.path.isfile(module_name):
-            raise UsageError(f"no such file: {module_name}")
-        name = os.path.splitext(os.path.basename(module_name))[0]
-        spec = importlib.util.spec_from_file_location(name, module_name)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules.setdefault(name, module)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            if sys.modules.get(name) is module:
-                del sys.modules[name]
-            raise UsageError(f"importing {module_name} failed: {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and module_name.startswith(e.name):
-                raise UsageError(
-                    f"cannot import module {module_name!r}: {e} (MODULE must be importable "
-                    "from the current directory or PYTHONPATH)"
-                ) from e
-            raise UsageError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from e
-        except Exception as e:
-            raise UsageError(f"importing {module_name!r} failed: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for i, part in enumerate(attr.split(".")):
-        if not hasattr(obj, part):
-            where = module_name + ":" + ".".join(attr.split(".")[:i]) if i else module_name
-            names = sorted(
-                n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))
-            )
-            hint = f"; callables there: {', '.join(names[:20])}" if names else ""
-            raise UsageError(f"{where} has no attribute {part!r}{hint}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"{target} is not callable: {obj!r} ({type(obj).__name__})")
-    return obj
-
+__all__ = ["DTYPE_ALIASES", "UsageError", "build_parser", "load_function", "main", "parse_shapes"]
 
 # --------------------------------------------------------------------------------------------
 # Subcommands.
+
+
+def _inputs(args: argparse.Namespace, run: bool) -> tuple[Any, tuple, dict, str]:
+    """The function, its arguments and a label, from TARGET --shapes or --factory."""
+    if args.factory is not None:
+        if args.target is not None or args.shapes is not None:
+            raise UsageError("--factory gives the function and its arguments: drop TARGET/--shapes")
+        fun, fargs, fkwargs = load_factory(args.factory)
+        return fun, fargs, fkwargs, args.factory
+    if args.target is None:
+        raise UsageError("name MODULE:FUNCTION (with --shapes) or --factory MODULE:FUNCTION")
+    fun = load_function(args.target)
+    shapes = parse_shapes(args.shapes) if args.shapes is not None else []
+    return fun, tuple(concrete(shapes) if run else shapes), {}, args.target
+
+
+def _describe(fargs: tuple, fkwargs: dict) -> str:
+    import jax
+
+    leaves = jax.tree.leaves((fargs, fkwargs))
+    shown = ", ".join(
+        f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}"
+        for x in leaves[:6]
+    )
+    return (shown + (f", ... ({len(leaves)} arrays)" if len(leaves) > 6 else "")) or "no arguments"
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -199,14 +69,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     import jmp_rewrite
 
-    fun = load_function(args.target)
-    shapes = parse_shapes(args.shapes) if args.shapes is not None else []
+    fun, fargs, fkwargs, label = _inputs(args, run=False)
     try:
-        report = jmp_rewrite.explain(fun, *shapes, dtype=jnp.dtype(args.dtype), level=args.level)
-    except Exception as e:  # the user's function failed to trace at these shapes
-        given = ", ".join(f"{s.dtype}{list(s.shape)}" for s in shapes) or "no arguments"
+        report = jmp_rewrite.explain(
+            fun, *fargs, dtype=jnp.dtype(args.dtype), level=args.level, **fkwargs
+        )
+    except Exception as e:  # the user's function failed to trace at these arguments
         print(
-            f"error: explaining {args.target} at ({given}) failed: {type(e).__name__}: {e}",
+            f"error: explaining {label} at ({_describe(fargs, fkwargs)}) failed: "
+            f"{type(e).__name__}: {e}",
             file=sys.stderr,
         )
         return 1
@@ -219,7 +90,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         print(report)
     if args.html:
-        title = html.escape(f"jmp_rewrite explain {args.target}")
+        title = html.escape(f"jmp_rewrite explain {label}")
         page = (
             "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
             f"<title>{title}</title></head><body>"
@@ -231,6 +102,32 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(page)
         print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    import jmp_rewrite
+
+    fun, fargs, fkwargs, label = _inputs(args, run=True)
+    try:
+        result = jmp_rewrite.compare(
+            fun,
+            *fargs,
+            dtype=jnp.dtype(args.dtype),
+            level=args.level,
+            tolerance=args.tolerance,
+            **fkwargs,
+        )
+    except Exception as e:  # the user's function failed to trace or run
+        print(
+            f"error: comparing {label} at ({_describe(fargs, fkwargs)}) failed: "
+            f"{type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return 0
 
 
@@ -277,22 +174,76 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_INPUT_EXAMPLES = """examples:
+  python -m jmp_rewrite {cmd} mymodel:loss --shapes "f32[8,16],f32[16]"
+  python -m jmp_rewrite {cmd} --factory mymodel:example
+
+A factory is a function of yours, taking no arguments, that returns (fn, args) or
+(fn, args, kwargs), for functions of pytrees (dict params, optimizer states):
+
+  def example():
+      params = {{"w1": jnp.zeros((784, 512)), "w2": jnp.zeros((512, 10))}}
+      return loss, (params, jnp.zeros((128, 784)), jnp.zeros(128, jnp.int32))"""
+
+
+def _add_inputs(p: argparse.ArgumentParser, dtypes: Sequence[str]) -> None:
+    """TARGET, --shapes, --factory, --dtype, --level: what explain and compare take."""
+    p.add_argument(
+        "target",
+        metavar="MODULE:FUNCTION",
+        nargs="?",
+        default=None,
+        help="e.g. mymodel:loss or path/to/file.py:loss (MODULE importable from "
+        "the current directory); or use --factory",
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help='positional argument shapes, e.g. "f32[8,16],f32[16],i32[]" '
+        "(dtypes: f16 bf16 f32 f64 i8 i16 i32 i64 u8 u32 bool ...)",
+    )
+    p.add_argument(
+        "--factory",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="a function of yours returning (fn, args) or (fn, args, kwargs): for arguments "
+        "that are pytrees (instead of MODULE:FUNCTION and --shapes)",
+    )
+    p.add_argument(
+        "--dtype", choices=dtypes, default="float16", help="half-precision dtype (default: float16)"
+    )
+    from jmp_rewrite._src.op_lists import LEVELS
+
+    p.add_argument(
+        "--level",
+        choices=LEVELS,
+        type=str.upper,
+        default=None,
+        help="TF's rewrite level (default: the TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_LEVEL "
+        "or JMP_REWRITE_LEVEL variable, else DEFAULT)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m jmp_rewrite``."""
     from jmp_rewrite import demo  # its options only: importing them needs no flax
 
     parser = argparse.ArgumentParser(
         prog="python -m jmp_rewrite",
-        description="TensorFlow-style automatic mixed precision for JAX: demo and explain.",
+        description=(
+            "TensorFlow-style automatic mixed precision for JAX: demo, explain and compare."
+        ),
         epilog=(
             "examples:\n"
             "  python -m jmp_rewrite demo                      # float32 vs mixed float16, ~1 min\n"
             "  python -m jmp_rewrite demo --model mlp --steps 200 --out runs/mlp\n"
-            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]"'
+            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]"\n'
+            "  python -m jmp_rewrite explain --factory mymodel:example  # returns (fn, args)\n"
+            "  python -m jmp_rewrite compare --factory mymodel:example"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,explain,compare}")
     sub.required = True
 
     d = sub.add_parser(
@@ -395,44 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
         "explain",
         help="print what the rewrite does to a function of yours",
         description=(
-            "Traces MODULE:FUNCTION at the given shapes (nothing is executed), paints it "
-            "with TF's lists and prints jmp_rewrite.explain's report: every equation with "
-            "its list, colour and pass, the casts inserted and the totals."
+            "Traces a function of yours (nothing is executed), paints it with TF's lists and "
+            "prints jmp_rewrite.explain's report: every equation with its list, colour and "
+            "pass, the casts inserted and the totals."
         ),
-        epilog=(
-            "examples:\n"
-            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]"\n'
-            '  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]" --by line'
-        ),
+        epilog=_INPUT_EXAMPLES.format(cmd="explain")
+        + '\n  python -m jmp_rewrite explain mymodel:loss --shapes "f32[8,16],f32[16]" --by line',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    e.add_argument(
-        "target",
-        metavar="MODULE:FUNCTION",
-        help="e.g. mymodel:loss or path/to/file.py:loss (MODULE importable from "
-        "the current directory)",
-    )
-    e.add_argument(
-        "--shapes",
-        default=None,
-        help='positional argument shapes, e.g. "f32[8,16],f32[16],i32[]" '
-        "(dtypes: f16 bf16 f32 f64 i8 i16 i32 i64 u8 u32 bool ...)",
-    )
-    e.add_argument(
-        "--dtype",
-        choices=demo.DTYPES,
-        default="float16",
-        help="half-precision dtype (default: float16)",
-    )
-    from jmp_rewrite._src.op_lists import LEVELS
-
-    e.add_argument(
-        "--level",
-        choices=LEVELS,
-        type=str.upper,
-        default=None,
-        help="TF's rewrite level (default: JMP_REWRITE_LEVEL or DEFAULT)",
-    )
+    _add_inputs(e, demo.DTYPES)
     out = e.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the report as JSON")
     out.add_argument("--summary", action="store_true", help="print only the totals")
@@ -448,6 +370,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--html", metavar="PATH", default=None, help="also write the coloured HTML report to PATH"
     )
     e.set_defaults(handler=_cmd_explain, subparser=e)
+
+    c = sub.add_parser(
+        "compare",
+        help="run a function of yours in float32 and rewritten, equation by equation",
+        description=(
+            "Runs a function of yours twice, in float32 and rewritten, and prints "
+            "jmp_rewrite.compare's table: each equation's relative error, overflow, underflow "
+            "and NaN counts, the first equation past the tolerance and suggested list changes. "
+            "With --shapes the arguments are random (floats standard normal, integers zero); "
+            "a --factory gives real ones."
+        ),
+        epilog=_INPUT_EXAMPLES.format(cmd="compare"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_inputs(c, demo.DTYPES)
+    c.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative-error tolerance (default: 1e-2 for float16, 5e-2 for bfloat16)",
+    )
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    c.set_defaults(handler=_cmd_compare, subparser=c)
     return parser
 
 

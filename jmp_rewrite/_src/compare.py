@@ -40,10 +40,11 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
-from jmp_rewrite._src.paint import Painting
+from jmp_rewrite._src.paint import Painting, half_accumulating_carries
 from jmp_rewrite._src.suggest import TO_REGION, Suggestion, fmt_error, suggest
 
 #: Default tolerance on the relative error, per half-precision dtype: 20 (float16) or 13
@@ -389,6 +390,24 @@ def _records(
     return records, None if first is None else first[1], notes
 
 
+def _half_carry_notes(
+    graph: Graph, painting: Painting, stats: dict[int, Stats], dtype: np.dtype
+) -> list[str]:
+    """Loop carries run in half precision that add to themselves (see
+    :func:`~jmp_rewrite._src.paint.half_accumulating_carries`), with their measured error."""
+    notes = []
+    for carry, path in half_accumulating_carries(graph, painting).items():
+        through = ", ".join(dict.fromkeys(graph.nodes[i].key for i in path if i != carry))
+        error = fmt_error(stats.get(carry, Stats()).rel_error)
+        notes.append(
+            f"{graph.nodes[carry].path} (<carry>): carried in {dtype.name} and adds to itself "
+            f"({through}), rounded at every iteration (largest relative error {error}): if it "
+            "is state, update it linearly (new = old + step, where(ok, new, old)), which the "
+            "rewrite keeps float32, or run the loop in a jmp_rewrite.float32_region"
+        )
+    return notes
+
+
 def _make_record(facts: dict[str, Any], st: Stats, tol: float) -> EquationComparison:
     return EquationComparison(
         **facts,
@@ -509,9 +528,9 @@ def compare(
     """
     if not callable(fun):
         raise TypeError(f"compare expects a callable, got {type(fun).__name__}: {fun!r}")
-    dt = rewrite_lib.validate_dtype(dtype)
+    dt = settings_lib.validate_dtype(dtype)
     if dt is None:
-        dt = rewrite_lib.platform_dtype() or np.dtype(jnp.float16)
+        dt = settings_lib.platform_dtype() or np.dtype(jnp.float16)
     tol = _tolerance(tolerance, dt)
     _check_args(jax.tree.leaves((args, kwargs)))
     return _compare(fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None)
@@ -563,6 +582,7 @@ def _compare(
     half_outs = half.emitter(graph, painting, dt, config.options).run(graph.top, consts, flat)
 
     records, first, notes = _records(graph, painting, reference.runs, half, tol, dt)
+    notes += _half_carry_notes(graph, painting, half.stats, dt)
     suggestions, more_notes = suggest(graph, painting, half.stats, dt, tol, config.force_all)
 
     def rerun(new_lists: op_lists_lib.OpLists) -> Comparison:

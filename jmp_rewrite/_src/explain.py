@@ -16,24 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jmp_rewrite._src import explain_view, source_info
+from jmp_rewrite._src import explain_html, explain_view, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
+from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_float, walk_scopes
-
-#: Colours of the HTML report, one per list (and a strong tint for half precision).
-LIST_COLOURS = {
-    "allow": "#b7e1a1",
-    "infer": "#fff2a8",
-    "deny": "#f4a6a6",
-    "clear": "#cfe2f3",
-    "unlisted": "#e6e6e6",
-}
-HALF_COLOUR = "#6aa84f"
+from jmp_rewrite._src.paint import deny_releases, half_accumulating_carries
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -60,6 +52,9 @@ class EquationReport(EquationPaint):
       trips: product of the enclosing ``scan`` lengths.
       tensor_dims: for matmuls/convs, the named dimensions tensor cores want multiples of 8.
       released_by: deny-list keys whose move to infer alone would run it in half precision.
+      accumulates_through: for a loop carry run in half precision whose next value adds to
+        it, the keys of the ops on the way (``("add", "max")``; its ``source`` is then the
+        line of that addition), else ``()``: it is rounded to half every iteration.
 
     ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
     ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
@@ -78,6 +73,7 @@ class EquationReport(EquationPaint):
     trips: int = 1
     tensor_dims: tuple[tuple[str, int], ...] = ()
     released_by: tuple[str, ...] = ()
+    accumulates_through: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +91,19 @@ class Report:
     """The result of :func:`explain`.
 
     Attributes:
-      dtype: the half-precision dtype of the rewrite.
-      changed: False when the program has no allowlist op and is left unchanged.
-      equations: one :class:`EquationReport` per vertex, in program order.
+      dtype: the half-precision dtype of the rewrite (``"none"`` when it is off).
+      changed: False when the program has no allowlist op and is left unchanged, or the
+        rewrite is off.
+      equations: one :class:`EquationReport` per vertex, in program order (none when the
+        rewrite is off).
       casts: the casts inserted (:class:`CastReport`), in program order.
       residual_bytes_float32: bytes of values saved for the backward pass by the original
         program (None when the function is not differentiable in its float inputs).
       residual_bytes_rewritten: the same for the rewritten program.
+      explained: what was explained, when it is not simply the function given (e.g. the
+        function inside ``jax.jit(rewrite(f))``, with that rewrite's dtype and lists).
+      off_reason: why the rewrite is off (``dtype=None`` on a platform without fast half
+        precision, as :func:`jmp_rewrite.rewrite` decides), else ``""``.
     """
 
     dtype: str
@@ -110,6 +112,8 @@ class Report:
     casts: tuple[CastReport, ...]
     residual_bytes_float32: int | None
     residual_bytes_rewritten: int | None
+    explained: str = ""
+    off_reason: str = ""
 
     # -- totals ---------------------------------------------------------------------------
 
@@ -124,15 +128,24 @@ class Report:
         return sum(1 for e in self.equations if not e.primitive.startswith("<"))
 
     @property
-    def half_flops_share(self) -> float:
-        """Share of dot_general/conv FLOPs that run in half precision (1.0 if none).
+    def matmul_flops(self) -> int:
+        """dot_general/conv FLOPs of the program (times the enclosing ``scan`` lengths)."""
+        return sum(e.flops for e in self.equations)
 
-        Equations inside float32 regions (e.g. the loss-scale optimizer's update) are left
-        out: they are float32 by request, not by the painting.
+    @property
+    def region_flops(self) -> int:
+        """The part of :attr:`matmul_flops` inside float32 regions (float32 on request)."""
+        return sum(e.flops for e in self.equations if e.in_float32_region)
+
+    @property
+    def half_flops_share(self) -> float | None:
+        """Share of all dot_general/conv FLOPs that run in half precision; None without any.
+
+        Matmuls inside float32 regions count, as float32: they run in float32
+        (:attr:`region_flops` says how much of the rest that is).
         """
-        eqs = [e for e in self.equations if not e.in_float32_region]
-        total = sum(e.flops for e in eqs)
-        return 1.0 if total == 0 else sum(e.flops for e in eqs if e.half) / total
+        total = self.matmul_flops
+        return None if total == 0 else sum(e.flops for e in self.equations if e.half) / total
 
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
@@ -142,12 +155,15 @@ class Report:
         return dict(sorted(out.items()))
 
     def summary(self) -> str:
-        """A few lines of totals."""
-        lines = [
+        """A few lines of totals (what was explained first, when it needs saying)."""
+        lines = [f"explained: {self.explained}"] if self.explained else []
+        if self.off_reason:
+            return "\n".join([*lines, f"rewrite off (runs unchanged): {self.off_reason}"])
+        lines += [
             f"dtype: {self.dtype}" + ("" if self.changed else " (no allowlist op: unchanged)"),
             f"equations in half precision: {len(self.converted)} / {self.total}",
             f"casts inserted: {len(self.casts)}",
-            f"matmul/conv FLOPs in half precision: {100 * self.half_flops_share:.1f}%",
+            f"matmul/conv FLOPs in half precision: {self._flops_words()}",
         ]
         if self.residual_bytes_float32 is not None:
             lines.append(
@@ -156,6 +172,18 @@ class Report:
                 f"{self.residual_bytes_rewritten:,} (rewritten)"
             )
         return "\n".join(lines)
+
+    def _flops_words(self) -> str:
+        share, total, region = self.half_flops_share, self.matmul_flops, self.region_flops
+        if share is None:
+            return "none (no matmul or convolution)"
+        pct = f"{100 * share:.1f}"
+        if pct == "100.0" and share < 1:  # not all of it: say how much is missing
+            pct = f"{100 * share:.3f}".rstrip("0")
+        words = f"{pct}% of {total:,}"
+        if region:
+            words += f" ({region:,} in float32 regions, float32 on request)"
+        return words
 
     # -- rendering ------------------------------------------------------------------------
 
@@ -183,6 +211,8 @@ class Report:
         casts = "\n".join(
             f"  {c.where}: {c.value} {c.from_dtype} -> {c.to_dtype}" for c in self.casts
         )
+        if self.off_reason:
+            return self.summary()
         return f"{self.summary()}\n\n{table}\n\ncasts inserted:\n{casts or '  none'}"
 
     def groups(self, by: str = "scope") -> list[explain_view.Group]:
@@ -216,14 +246,15 @@ class Report:
         return explain_view.groups(self, by)
 
     def lint(self) -> list[explain_view.Finding]:
-        """What to change: half-precision matmuls/convs with a contracting or output
-        dimension that is not a multiple of 8 (tensor cores need them), and deny-list ops
-        whose move to the infer list alone would run more equations in half precision,
-        with the change and its risk.
+        """What to change: loop carries in half precision that add to themselves (an
+        accumulator the rewrite did not recognise as state), half-precision matmuls/convs
+        with a contracting or output dimension that is not a multiple of 8 (tensor cores need
+        them), and deny-list ops whose move to the infer list alone would run more equations
+        in half precision, with the change and its risk.
 
         Returns:
-          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s, tensor-core findings first
-          (most FLOPs first), then deny chains (most bytes first).
+          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s: half carries first, then
+          tensor-core findings (most FLOPs first), then deny chains (most bytes first).
 
         Example:
           >>> import jax.numpy as jnp
@@ -265,9 +296,10 @@ class Report:
         """The report as an HTML fragment (what a notebook displays).
 
         Returns:
-          Self-contained HTML (its own scoped ``<style>``): the totals per phase, the lint,
-          and a collapsible tree by scope (``<details>``) with every equation, its list
-          colour, the pass that painted it on hover and its source line. Wrap it in
+          Self-contained HTML (its own scoped ``<style>``): the totals per phase, a legend
+          of the lists and colours, the lint, and a collapsible tree by scope
+          (``<details>``) with every equation, its list colour, its precision, the reason
+          in words (the pass's name on hover) and its source line. Wrap it in
           ``<html><body>...</body></html>`` for a stand-alone page.
 
         Example:
@@ -278,7 +310,7 @@ class Report:
           >>> r.to_html().count('<tr class="eq"') == len(r.equations)
           True
         """
-        return explain_view.to_html(self)
+        return explain_html.to_html(self)
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -288,6 +320,8 @@ class Report:
         return {
             "dtype": self.dtype,
             "changed": self.changed,
+            "explained": self.explained,
+            "off_reason": self.off_reason,
             "totals": {
                 "equations": self.total,
                 "converted": len(self.converted),
@@ -367,6 +401,7 @@ def _equation(
     trips: int,
     origin: Any = None,
     released: tuple[str, ...] = (),
+    accumulates: tuple[Node, ...] = (),
 ) -> EquationReport:
     facts = equation_facts(graph, painting, n)
     if origin is not None:  # the model scope and source line (source_info)
@@ -381,6 +416,8 @@ def _equation(
             "out_shapes": tuple(tuple(v.aval.shape) for v in eqn.outvars),
             "tensor_dims": _tensor_dims(eqn) if eqn.primitive.name in _MATMUL_PRIMITIVES else (),
         }
+    if accumulates:  # a half carry adding to itself: named by its addition's line
+        extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
         **facts,
         in_dtypes=d["in"],
@@ -423,7 +460,7 @@ def explain(
     dtype: Any = None,
     lists: Any = None,
     level: str | None = None,
-    infer_follows_allow: bool = True,
+    infer_follows_allow: bool | None = None,
     residuals: bool = True,
     **kwargs: Any,
 ) -> Report:
@@ -432,15 +469,23 @@ def explain(
     Nothing is executed: the function is traced (``args`` may be ``jax.ShapeDtypeStruct``),
     painted and re-emitted abstractly.
 
+    ``fun`` may be the function itself or a rewritten one, ``rewrite(f)`` or a jit of it
+    (``jax.jit``, ``nnx.jit``, ``eqx.filter_jit``): then ``f`` is explained with that
+    rewrite's ``dtype``, lists, level and static arguments (arguments given here override
+    them), and the report's first line says so. A rewritten function called *inside*
+    ``fun`` (e.g. ``jax.grad(rewrite(f))``) shows as it runs, already rewritten; the report
+    notes it.
+
     Args:
-      fun: the function, as for :func:`jmp_rewrite.rewrite`.
+      fun: the function, as for :func:`jmp_rewrite.rewrite`, or a rewritten function.
       *args: example arguments.
-      dtype: ``jnp.float16`` or ``jnp.bfloat16``; None picks by platform and falls back to
-        float16 where the platform has no fast half precision (so the report on a CPU shows
-        what a GPU would run).
+      dtype: ``jnp.float16`` or ``jnp.bfloat16``; None decides as :func:`jmp_rewrite.rewrite`
+        does (the rewrite's own dtype, else the seed API's, else the platform's: none on a
+        CPU, where the report says the rewrite is off and why; pass a dtype to see what a
+        GPU would run).
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`jmp_rewrite.rewrite`.
-      infer_follows_allow: as in :func:`jmp_rewrite.rewrite`.
+      infer_follows_allow: as in :func:`jmp_rewrite.rewrite` (default True).
       residuals: measure the bytes saved for the backward pass of ``fun`` (traces its VJP
         twice). Skipped anyway when ``fun`` already contains a backward pass (a train
         step), where the figure would describe differentiating the optimizer.
@@ -461,23 +506,57 @@ def explain(
       >>> len(r.converted), r.total, r.half_flops_share
       (2, 3, 1.0)
     """
-    if dtype is None:
-        dtype = rewrite_lib.platform_dtype() or jnp.float16
-    fn = rewrite_lib.rewrite(
-        fun, dtype=dtype, lists=lists, level=level, infer_follows_allow=infer_follows_allow
-    )
-    entry, flat = fn.trace(*args, **kwargs)
+    settings_lib.validate_dtype(dtype)
+    target, jits = rewrite_lib.find_rewritten(fun)
+    explained, static = "", None
+    if target is not None:
+        fun, static = target.fun, target.static
+        dtype = target.dtype if dtype is None else dtype
+        lists = target.lists if lists is None else lists
+        level = target.level if level is None else level
+        if infer_follows_allow is None:
+            infer_follows_allow = target.infer_follows_allow
+        dtype_words = "dtype=None" if target.dtype is None else f"dtype={target.dtype}"
+        wrapper = f"rewrite({target._name}, {dtype_words})"
+        wrapper = "jit(" * jits + wrapper + ")" * jits
+        explained = f"{target._name}, the function inside {wrapper}, with its settings"
+    follow = True if infer_follows_allow is None else infer_follows_allow
+    settings = settings_lib.effective_settings(dtype, lists, level, follow)
+    if settings.dtype is None:
+        return Report("none", False, (), (), None, None, explained, settings.off_reason)
+    fn = rewrite_lib.rewritten_with(fun, settings, static)
+    with rewrite_lib.recording_calls() as inner:
+        entry, flat = fn.trace(*args, **kwargs)
+    if inner:
+        names = ", ".join(sorted({f"rewrite({r._name})" for r in inner}))
+        note = (
+            f"{names} inside it shows as already rewritten (its matmuls are not float32 "
+            "here); explain the inner function, or the rewritten function itself, to see "
+            "its painting"
+        )
+        explained = f"{explained}; {note}" if explained else note
     half = _short(entry.config.dtype)
     graph, painting = entry.graph, entry.painting
     trips = _trip_counts(graph)
     origins = source_info.origins(graph)
-    released = explain_view.deny_releases(graph, painting, entry.config.options)
-    equations = [
-        _equation(
-            graph, painting, n, half, trips.get(n.id, 1), origins.get(n.id), released.get(n.id, ())
+    released = deny_releases(graph, painting, entry.config.options)
+    accumulating = half_accumulating_carries(graph, painting) if painting.changed else {}
+    equations = []
+    for n in graph.nodes:
+        path = [graph.nodes[i] for i in accumulating.get(n.id, ())]
+        combine = next((a.id for a in path if a.key in ("add", "sub", "add_any")), n.id)
+        equations.append(
+            _equation(
+                graph,
+                painting,
+                n,
+                half,
+                trips.get(n.id, 1),
+                origins.get(combine),
+                released.get(n.id, ()),
+                tuple(a for a in path if a.eqn is not None),
+            )
         )
-        for n in graph.nodes
-    ]
     log = _CastLog()
     if painting.changed:  # re-emitted abstractly: the hook hears every cast
         Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log).trace_program(
@@ -496,4 +575,5 @@ def explain(
         casts=tuple(log.casts),
         residual_bytes_float32=before,
         residual_bytes_rewritten=after,
+        explained=explained,
     )

@@ -9,24 +9,21 @@
   feature dimensions are not multiples of 8 (NVIDIA's tensor cores need them in float16 and
   bfloat16; the guidance TF's mixed-precision guide cites), and deny-list ops whose deny
   chain keeps equations float32 that one list change would release, with the risk.
-* :func:`format_groups` (text) and :func:`to_html` (a collapsible tree by scope).
+* :func:`format_groups` (text); the HTML tree lives in :mod:`jmp_rewrite._src.explain_html`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import html
 import math
-import types
 from typing import TYPE_CHECKING, Any
 
 from jmp_rewrite._src import source_info as si
 from jmp_rewrite._src.emit import ACCUMULATING
 from jmp_rewrite._src.op_lists import REASONS
-from jmp_rewrite._src.paint import paint
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover - annotations only: explain imports this module
     from jmp_rewrite._src.explain import EquationReport, Report
 
 BY = ("scope", "line", "primitive")
@@ -43,6 +40,7 @@ _PRECISION_STYLES = {
 _LONG_TABLE = 40  # equations: a longer table starts closed
 _ABBR = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
 _KIND_TITLES = {
+    "half_carry": "Half-precision loop carries that add to themselves (rounded every iteration)",
     "tensor_cores": (
         f"Tensor cores: half-precision matmuls/convs with a dimension not a multiple of "
         f"{TENSOR_CORE_MULTIPLE} (they run on slower paths)"
@@ -231,8 +229,9 @@ class Finding:
     """One lint finding of :func:`lint`.
 
     Attributes:
-      kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8) or
-        ``deny_chain`` (one list change would run more equations in half precision).
+      kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8),
+        ``deny_chain`` (one list change would run more equations in half precision) or
+        ``half_carry`` (a loop carry in half precision that adds to itself every iteration).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -252,37 +251,6 @@ class Finding:
     bytes: int = 0
     change: str = ""
     risk: str = ""
-
-
-def deny_releases(graph: Any, painting: Any, options: dict[str, Any]) -> dict[int, tuple[str, ...]]:
-    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
-
-    Repaints the graph once per deny key present (the passes run on node kinds only, so
-    nodes of that key are swapped for infer copies; nothing is traced again).
-    """
-    if not painting.changed or options.get("force_all"):
-        return {}
-    keys = sorted(
-        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
-    )
-    out: dict[int, list[str]] = collections.defaultdict(list)
-    for key in keys:
-        nodes = [
-            dataclasses.replace(n, kind="infer", listed_kind="infer")
-            if n.key == key and n.kind == "deny"
-            else n
-            for n in graph.nodes
-        ]
-        p = paint(
-            types.SimpleNamespace(
-                nodes=nodes, outputs=graph.outputs, input_avals=graph.input_avals
-            ),
-            infer_follows_allow=bool(options.get("infer_follows_allow", True)),
-        )
-        for i in sorted(p.allow - painting.allow):
-            if graph.nodes[i].eqn is not None:
-                out[i].append(key)
-    return {i: tuple(v) for i, v in out.items()}
 
 
 def _shape(shape: tuple[int, ...], dtype: str) -> str:
@@ -361,7 +329,38 @@ def lint(report: Report) -> list[Finding]:
             )
         )
     chains.sort(key=lambda f: -f.bytes)
-    return findings + chains
+    return _half_carries(report) + findings + chains
+
+
+def _half_carries(report: Report) -> list[Finding]:
+    """Loop carries in half precision whose next value adds to them (an accumulator the
+    rewrite did not recognise as state: its update is not linear in it)."""
+    out = []
+    for e in report.equations:
+        if not e.accumulates_through:
+            continue
+        through = ", ".join(e.accumulates_through)
+        shapes = " x ".join(_shape(s, d) for s, d in zip(e.out_shapes, e.out_dtypes_after))
+        out.append(
+            Finding(
+                kind="half_carry",
+                message=(
+                    f"loop carry {e.path}{' ' + shapes if shapes else ''}"
+                    f"{_where(e.scope, e.source)} is carried in {report.dtype} and adds to "
+                    f"itself ({through}): it is rounded to {report.dtype} at every iteration"
+                ),
+                scope=e.scope,
+                source=e.source,
+                equations=(e.path,),
+                change=(
+                    "if it is state (an accumulator, a solver's solution), update it linearly "
+                    "(new = old + step, where(ok, new, old)), which the rewrite keeps float32, "
+                    "or run the loop in a jmp_rewrite.float32_region"
+                ),
+                risk="a float32 carry is cast to half for each half-precision reader",
+            )
+        )
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,200 +451,3 @@ def format_groups(report: Report, by: str = "scope") -> str:
     if not found:
         text.append("  nothing to change")
     return "\n".join(text)
-
-
-# --------------------------------------------------------------------------------------------
-# HTML: a collapsible tree by scope.
-
-_CSS = """
-.jmpx{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;font-size:13px;color:#111;
- background:#fff;padding:8px;line-height:1.45}
-.jmpx table{border-collapse:collapse;margin:4px 0 8px 0}
-.jmpx th,.jmpx td{padding:3px 10px;border-bottom:1px solid #ddd;text-align:left;
- vertical-align:top;white-space:nowrap}
-.jmpx th{background:#f3f3f3;font-weight:600}
-.jmpx td.num,.jmpx th.num{text-align:right;font-variant-numeric:tabular-nums}
-.jmpx code,.jmpx td.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
-.jmpx details{margin:2px 0 2px 18px}
-.jmpx details.root{margin-left:0}
-.jmpx summary{cursor:pointer;padding:2px 4px;border-radius:3px}
-.jmpx summary:hover{background:#f0f4fa}
-.jmpx .name{font-weight:600;font-family:ui-monospace,Menlo,Consolas,monospace}
-.jmpx .chip{display:inline-block;margin-left:10px;color:#333}
-.jmpx .muted{color:#666}
-.jmpx .bar{display:inline-block;width:70px;height:9px;background:#e3e3e3;margin:0 4px;
- vertical-align:middle;border-radius:2px;overflow:hidden}
-.jmpx .bar span{display:block;height:100%}
-.jmpx .tag{padding:1px 6px;border-radius:3px;color:#111}
-.jmpx .legend .tag{margin-right:6px}
-.jmpx .lint li{margin:3px 0}
-"""
-
-
-def _bar(share: float, colour: str) -> str:
-    return (
-        f'<span class="bar" title="{100 * share:.0f}% of the equations in half precision">'
-        f'<span style="width:{100 * share:.0f}%;background:{colour}"></span></span>'
-    )
-
-
-def _chips(s: GroupStats, phases: dict[str, GroupStats], half_colour: str) -> str:
-    e = html.escape
-    parts = [
-        f'<span class="chip">{_plural(s.equations, "equation")} {_bar(s.half_share, half_colour)}'
-        f"{_pct(s.half_share)} half</span>",
-        f'<span class="chip">{_plural(s.casts, "cast")}</span>',
-    ]
-    if s.flops:
-        parts.append(
-            f'<span class="chip">{_fmt_flops(s.flops)} FLOPs, {_pct(s.half_flops_share)} '
-            "half</span>"
-        )
-    parts.append(
-        f'<span class="chip" title="bytes produced after the rewrite">out: '
-        f"{_fmt_bytes(s.bytes_float32)} f32 / {_fmt_bytes(s.bytes_half)} half</span>"
-    )
-    split = " · ".join(f"{_ABBR[p]} {v.equations}" for p, v in phases.items() if v.equations)
-    if len(phases) > 1:
-        parts.append(f'<span class="chip muted">{e(split)}</span>')
-    return "".join(parts)
-
-
-def _source_cell(source: str) -> str:
-    if not source:
-        return '<td class="mono muted">-</td>'
-    path, _, line = source.rpartition(":")
-    title = html.escape(f"{source}\n{si.source_text(source)}")
-    return f'<td class="mono" title="{title}">{html.escape(si.short_path(path))}:{line}</td>'
-
-
-def _equation_rows(eqs: list[EquationReport], colours: dict[str, str], half: str) -> str:
-    head = (
-        "<tr><th>phase</th><th>equation</th><th>list</th><th>precision</th>"
-        "<th>dtypes in</th><th>dtypes out</th><th>shape out</th><th>source</th></tr>"
-    )
-    rows = []
-    for e in eqs:
-        title = html.escape(f"{e.list} op, painted by {e.painted_by or 'no pass'}")
-        floats = e.in_dtypes or any(d.startswith(("float", "bfloat")) for d in e.out_dtypes)
-        precision = "half" if e.half else e.colour if floats else "no floats"
-        style = "half" if e.half else "deny" if e.colour == "deny" else "float32"
-        p_style = _PRECISION_STYLES[style if floats else "none"].format(half=half, **colours)
-        shape = ", ".join(_shape(s, d) for s, d in zip(e.out_shapes, e.out_dtypes_after))
-        rows.append(
-            f'<tr class="eq" title="{title}"><td>{e.phase}</td>'
-            f'<td class="mono">{html.escape(e.path)}</td>'
-            f'<td><span class="tag" style="background:{colours.get(e.list, "#fff")}">'
-            f"{html.escape(e.list)}</span></td>"
-            f'<td style="{p_style}" title="{title}">{precision}</td>'
-            f'<td class="mono">{html.escape(_arrow(e.in_dtypes, e.in_dtypes_after))}</td>'
-            f'<td class="mono">{html.escape(_arrow(e.out_dtypes, e.out_dtypes_after))}</td>'
-            f'<td class="mono">{html.escape(shape)}</td>{_source_cell(e.source)}</tr>'
-        )
-    return f"<table>{head}{''.join(rows)}</table>"
-
-
-def _arrow(before: tuple[str, ...], after: tuple[str, ...]) -> str:
-    b, a = ",".join(before), ",".join(after)
-    return b if a == b else f"{b} → {a}"
-
-
-@dataclasses.dataclass
-class _Node:
-    name: str
-    stats: GroupStats = dataclasses.field(default_factory=GroupStats)
-    phases: dict[str, GroupStats] = dataclasses.field(default_factory=dict)
-    children: dict[str, _Node] = dataclasses.field(default_factory=dict)
-    own: Group | None = None
-
-
-def _tree(report: Report) -> _Node:
-    root = _Node("")
-    for g in groups(report, "scope"):
-        if g.key == _OUTPUTS:
-            continue
-        path = g.key.split("/") if g.key else []
-        node, chain = root, [root]
-        for part in path:
-            node = node.children.setdefault(part, _Node(part))
-            chain.append(node)
-        node.own = g
-        for n in chain:
-            n.stats.add(g.total)
-            for p, s in g.phases.items():
-                n.phases.setdefault(p, GroupStats()).add(s)
-    if root.own is not None:  # equations outside any scope: a last entry of their own
-        root.children["(top level)"] = _Node("(top level)", root.own.total, root.own.phases)
-        root.children["(top level)"].own = root.own
-    return root
-
-
-def _render(node: _Node, colours: dict[str, str], half: str, depth: int) -> str:
-    body = "".join(_render(c, colours, half, depth + 1) for c in node.children.values())
-    if node.own is not None and node.own.equations:
-        own = node.own
-        rows = _equation_rows(own.equations, colours, half)
-        if node.children:  # the scope's own equations, beside its sub-scopes
-            where = _short_sources(own.sources, 3)
-            label = _plural(own.total.equations, "equation") + " directly here"
-            label += f" ({where})" if where else ""
-            rows = f"<details><summary class='muted'>{html.escape(label)}</summary>{rows}</details>"
-        body += rows
-    phases = {p: node.phases[p] for p in si.PHASES if p in node.phases}
-    # Top-level scopes open: their sub-scopes' summaries show; a long table stays closed.
-    long = not node.children and node.stats.equations > _LONG_TABLE
-    opened = " open" if depth < 1 and not long else ""
-    return (
-        f"<details{opened}><summary><span class='name'>{html.escape(node.name)}</span>"
-        f"{_chips(node.stats, phases, half)}</summary>{body}</details>"
-    )
-
-
-def _summary_table(report: Report) -> str:
-    head = ["equations", "half", "casts", "matmul/conv FLOPs", "in half", "float32 out"]
-    rows = ["<tr><th>phase</th>" + "".join(f"<th class='num'>{h}</th>" for h in head)]
-    rows[0] += "<th class='num'>half out</th></tr>"
-    for p, s in phase_totals(report).items():
-        cells = [s.equations, _pct(s.half_share), s.casts, _fmt_flops(s.flops)]
-        cells += [_pct(s.half_flops_share), _fmt_bytes(s.bytes_float32), _fmt_bytes(s.bytes_half)]
-        rows.append(f"<tr><td>{p}</td>" + "".join(f"<td class='num'>{c}</td>" for c in cells))
-    return f"<table>{''.join(rows)}</table>"
-
-
-def _lint_html(found: list[Finding]) -> str:
-    if not found:
-        return "<p class='muted'>Lint: nothing to change.</p>"
-    sections = []
-    for kind, title in _KIND_TITLES.items():
-        items = []
-        for f in (f for f in found if f.kind == kind):
-            risk = f"<br><span class='muted'>risk: {html.escape(f.risk)}</span>" if f.risk else ""
-            items.append(
-                f"<li>{html.escape(f.message)}<br>change: <code>{html.escape(f.change)}</code>"
-                f"{risk}</li>"
-            )
-        if items:
-            sections.append(f"<div>{html.escape(title)}<ul>{''.join(items)}</ul></div>")
-    return (
-        f"<details open class='lint root'><summary><b>Lint: {_plural(len(found), 'finding')}</b>"
-        f"</summary>{''.join(sections)}</details>"
-    )
-
-
-def to_html(report: Report) -> str:
-    """The report as an HTML fragment: totals per phase, a legend, the lint and the tree of
-    scopes (``<details>``), each with its equations (list colour, pass on hover, source)."""
-    from jmp_rewrite._src.explain import HALF_COLOUR, LIST_COLOURS
-
-    summary = html.escape(report.summary()).replace("\n", "<br>")
-    legend = "".join(
-        f"<span class='tag' style='background:{c}{';color:#fff' if k == 'half' else ''}'>{k}</span>"
-        for k, c in [("half", HALF_COLOUR), *LIST_COLOURS.items()]
-    )
-    top = "".join(_render(c, LIST_COLOURS, HALF_COLOUR, 0) for c in _tree(report).children.values())
-    return (
-        f"<div class='jmpx'><style>{_CSS}</style><p>{summary}</p>{_summary_table(report)}"
-        f"<p class='legend'>lists: {legend} <span class='muted'>(hover a row for the pass "
-        f"that painted it, a source cell for its code)</span></p>{_lint_html(lint(report))}"
-        f"<div class='tree'>{top}</div></div>"
-    )

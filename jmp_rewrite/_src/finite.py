@@ -115,6 +115,70 @@ def count_non_finite(
     return jnp.sum(jnp.stack(flags).astype(jnp.int32))
 
 
+#: Most leaves one fused finiteness reduction reads: XLA:GPU fuses a concatenation into the
+#: reduction reading it only up to about 90 operands (beyond, it writes the concatenation
+#: out: a copy of every gradient).
+LEAVES_PER_REDUCTION = 64
+
+
+def any_non_finite_fused(leaves: list[Any], inv_scale: jax.Array, *, scaled: bool) -> jax.Array:
+    """Whether any float leaf holds a NaN or an Inf, as a few fused reductions (bool scalar).
+
+    The leaves of each dtype are flattened and concatenated, at most
+    :data:`LEAVES_PER_REDUCTION` at a time, and ``isfinite`` is reduced over each
+    concatenation: XLA:GPU fuses the concatenation into the reduction, so each gradient is
+    read once and nothing is written, in a handful of kernels where one reduction per leaf
+    takes one or two each (GPT-2 small: 7 kernels instead of 201). Exact: ``isfinite`` of
+    each element, no arithmetic that could overflow. With ``scaled`` the scaled values are
+    checked (exact when the scale is >= 1); otherwise ``g * inv_scale``.
+    """
+    by_dtype: dict[Any, list[Any]] = {}
+    for g in leaves:
+        if is_inexact(g):
+            by_dtype.setdefault(jnp.dtype(g.dtype), []).append(g)
+    finite = []
+    for group in by_dtype.values():
+        n = -(-len(group) // LEAVES_PER_REDUCTION)  # reductions, of equal numbers of leaves
+        size = -(-len(group) // n)
+        for i in range(0, len(group), size):
+            flat = jnp.concatenate([jnp.ravel(g) for g in group[i : i + size]])
+            finite.append(jnp.all(jnp.isfinite(flat if scaled else unscale(flat, inv_scale))))
+    if not finite:
+        return jnp.array(False)
+    return jnp.logical_not(jnp.all(jnp.stack(finite)))
+
+
+def any_non_finite(
+    leaves: list[Any], inv_scale: jax.Array, *, scale_at_least_one: bool, whole_leaves: bool
+) -> jax.Array:
+    """1 if any float leaf is non-finite after unscaling, else 0 (int32 scalar).
+
+    Chosen per platform when the program is lowered (``lax.platform_dependent``, so a program
+    lowered for a GPU gets the GPU's check on any host): XLA:CPU reduces each leaf with the
+    ``"dot"`` check of :func:`count_non_finite` (about 3x faster there); other platforms use
+    :func:`any_non_finite_fused` when ``whole_leaves`` -- the leaves are whole arrays, on one
+    device or per device inside ``shard_map``/``pmap`` -- and one reduction per leaf
+    otherwise: concatenating arrays sharded differently over several devices would gather
+    them.
+    """
+    if not any(is_inexact(g) for g in leaves):
+        return jnp.zeros([], jnp.int32)
+
+    def per_leaf(method: str) -> jax.Array:
+        n = count_non_finite(
+            leaves, inv_scale, scale_at_least_one=scale_at_least_one, method=method
+        )
+        return (n > 0).astype(jnp.int32)
+
+    def fused() -> jax.Array:
+        bad = any_non_finite_fused(leaves, inv_scale, scaled=scale_at_least_one)
+        return bad.astype(jnp.int32)
+
+    cpu_method = "dot" if scale_at_least_one else "elementwise"
+    default = fused if whole_leaves else lambda: per_leaf("elementwise")
+    return jax.lax.platform_dependent(cpu=lambda: per_leaf(cpu_method), default=default)
+
+
 def _leaf_flags(
     leaves: list[Any], inv_scale: jax.Array, axis_name: AxisName | None
 ) -> LossScaleDebugState:
@@ -157,10 +221,14 @@ def check_finite(
       ``debug`` (else ``()``).
     """
     leaves = jax.tree.leaves(grads)
-    if debug:
-        flags = _leaf_flags(leaves, inv_scale, axis_name)
-        return ~jnp.any(flags.leaf_has_nan | flags.leaf_has_inf), flags
-    n_bad = count_non_finite(leaves, inv_scale, scale_at_least_one=scale_at_least_one)
-    if axis_name is not None:
-        n_bad = jax.lax.psum(n_bad, axis_name)
-    return n_bad == 0, ()
+    with jax.named_scope("check_finite"):
+        if debug:
+            flags = _leaf_flags(leaves, inv_scale, axis_name)
+            return ~jnp.any(flags.leaf_has_nan | flags.leaf_has_inf), flags
+        whole_leaves = axis_name is not None or jax.device_count() == 1
+        n_bad = any_non_finite(
+            leaves, inv_scale, scale_at_least_one=scale_at_least_one, whole_leaves=whole_leaves
+        )
+        if axis_name is not None:
+            n_bad = jax.lax.psum(n_bad, axis_name)
+        return n_bad == 0, ()

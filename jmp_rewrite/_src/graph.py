@@ -11,7 +11,9 @@ propagation. The graph built here is therefore *flat*:
 * call bodies are inlined: an inner invar is the outer value itself;
 * a loop carry (``while``/``scan``) is one *clear* node joining its initial value, the body's
   result and every reader: TF's Enter/Merge/Switch/NextIteration/Exit chain collapsed to one
-  vertex, so TF's recurrent colour match holds by construction;
+  vertex, so TF's recurrent colour match holds by construction. Inside its body the carry is
+  a *state* of its own (:class:`LoopState`), as a program input is at the top level, so the
+  painter can tell a carry updated from itself (``new = old + dt * k``) from an activation;
 * each ``cond`` output is a *clear* node (TF's Merge) fed by every branch;
 * each ``scan`` ``xs``/``ys`` stream is a *clear* node (TF's TensorList writer->reader edge);
 * a ``jit`` whose name is on a list (``jit:log_softmax``...) is one node: TF's fused op;
@@ -34,37 +36,21 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
+from jmp_rewrite._src.origins import (
+    CONST,
+    NOWHERE,
+    LoopState,
+    Origin,
+    leaf_origin,
+    loop_result_origins,
+    select_origin,
+)
 from jmp_rewrite._src.regions import in_float32_region
 
 #: Kinds of higher-order equation whose body is inlined as a call.
 _CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)
 
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """What the graph knows of where a value comes from.
-
-    Attributes:
-      const: a constant: a literal, a jaxpr const, or computed from constants only (such a
-        value is clamped to the half range when cast, never turned into infinity).
-      copy_of: the program input this value is an exact copy of (through calls, loop carries
-        passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
-      derived: program inputs this value is computed from elementwise, through infer and
-        clear ops of the same shape.
-      updates: those of ``derived`` that an addition or subtraction has combined with
-        something else on the way (``new = a * old + b * f(x)``: a state update).
-    """
-
-    const: bool = False
-    copy_of: int | None = None
-    derived: frozenset[int] = frozenset()
-    updates: frozenset[int] = frozenset()
-
-
-_NOWHERE = Origin()
-#: Primitives that combine an old value with a new one in a state update.
-_COMBINES = ("add", "sub", "add_any")
-_CONST = Origin(const=True)
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
 #: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
@@ -87,20 +73,30 @@ def unit_name(jit_name: str) -> str:
     return match.group(1) if match else (jit_name or "")
 
 
-def op_key(eqn: Any, lists: Any) -> str:
+def in_backward_pass(outer: bool, eqn: Any) -> bool:
+    """Whether ``eqn`` belongs to a backward pass, ``outer`` telling whether the equation
+    holding its jaxpr does: JAX names the transposed equations ``transpose(...)`` in their
+    name stack, and a rematerialised forward inside the backward ``rematted_computation``."""
+    stack = jc.name_stack(eqn)
+    return (outer or "transpose(" in stack) and "rematted_computation" not in stack
+
+
+def op_key(eqn: Any, lists: Any, backward: bool = False) -> str:
     """The list key of an equation: its primitive name, or a virtual key.
 
     ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
-    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose
-    (``transpose(jvp(log_softmax))``) is not: TF's gradients of fused ops are separate ops
-    (LogSoftmax's is Exp, Sum, Mul, Sub, with Exp deny), so the backward pass is painted
-    primitive by primitive.
+    a ``dot_general`` that contracts nothing is an ``outer_product`` (TF Mul, infer);
+    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose (JAX
+    keeps the name ``log_softmax`` under a ``transpose(jvp())`` name stack: ``backward``) is
+    not: TF's gradients of fused ops are separate ops (LogSoftmax's is Exp, Sum, Mul, Sub,
+    with Exp deny), so the backward pass is painted primitive by primitive.
     """
     name = eqn.primitive.name
     if name == "integer_pow":
-        y = eqn.params["y"]
-        return "reciprocal" if y == -1 else "square" if y == 2 else "integer_pow"
-    if ho.jit_name(eqn) and "transpose(" not in ho.jit_name(eqn):
+        return integer_pow_key(eqn.params["y"])
+    if name == "dot_general":
+        return dot_general_key(eqn.params["dimension_numbers"])
+    if ho.jit_name(eqn) and not backward and "transpose(" not in ho.jit_name(eqn):
         unit = "jit:" + unit_name(ho.jit_name(eqn))
         if lists.kind(unit) != "unlisted":
             return unit
@@ -197,7 +193,7 @@ class Node:
     feeds_output: bool = False
     unit: int | None = None
     region: bool = False
-    origin: Origin = _NOWHERE
+    origin: Origin = NOWHERE
     fanin: list[int] = dataclasses.field(default_factory=list)
     fanout: list[int] = dataclasses.field(default_factory=list)
 
@@ -250,13 +246,17 @@ class Graph:
         #: an opaque equation's bodies hold float32 allowlist ops: the program changes even
         #: when no node of this graph is painted (those bodies are rewritten on their own).
         self.opaque_allow = False
+        self._backward = False  # while building: inside a backward pass (transposed)
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
-        origins = [_CONST] * len(jaxpr.constvars) + [
+        origins = [CONST] * len(jaxpr.constvars) + [
             Origin(copy_of=j, derived=frozenset({j})) for j in range(len(jaxpr.invars))
         ]
         #: the program's input avals (``Origin.copy_of`` / ``derived`` index them).
         self.input_avals = [v.aval for v in jaxpr.invars]
+        #: every float loop carry, as a state of its body (ids after the inputs').
+        self.loop_states: list[LoopState] = []
+        self._n_states = len(jaxpr.invars)
         self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)
         #: the program's outputs: (source node or None, origin, aval) each.
         self.outputs = list(zip(outs, out_origins, [v.aval for v in jaxpr.outvars], strict=True))
@@ -328,8 +328,9 @@ class Graph:
             return env.get(atom)
 
         def origin(atom: Any) -> Origin:
-            return _CONST if jc.is_literal(atom) else origins.get(atom, _NOWHERE)
+            return CONST if jc.is_literal(atom) else origins.get(atom, NOWHERE)
 
+        outer_backward = self._backward
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             here = f"{path}{name}"
@@ -337,7 +338,8 @@ class Graph:
             process = not in_region and unit is None
             ins = [source(a) for a in eqn.invars]
             in_origins = [origin(a) for a in eqn.invars]
-            key = op_key(eqn, self.lists)
+            self._backward = in_backward_pass(outer_backward, eqn)  # for its sub-scopes too
+            key = op_key(eqn, self.lists, self._backward)
             layout = ho.describe(eqn)
             out_origins = None
             if key.startswith("jit:") and layout is not None:
@@ -373,7 +375,7 @@ class Graph:
                 out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
             if out_origins is None:  # a leaf, opaque equation or fused unit
-                o = self._leaf_origin(eqn, key, in_origins)
+                o = leaf_origin(eqn, self.lists.kind(key), in_origins)
                 out_origins = [o] * len(eqn.outvars)
                 if erec.node is not None:
                     self.nodes[erec.node].origin = o
@@ -392,6 +394,7 @@ class Graph:
             for atom, nodes in zip(eqn.invars, operand_consumers, strict=True):
                 if not jc.is_literal(atom) and atom in rec.consumers:
                     rec.consumers[atom].extend(nodes)
+        self._backward = outer_backward
         for atom in jaxpr.outvars:
             if not jc.is_literal(atom) and atom in rec.consumers:
                 # An input handed on as an output wants its own dtype: a call site passing it
@@ -399,29 +402,6 @@ class Graph:
                 rec.consumers[atom].append(None)
         outs = [source(a) for a in jaxpr.outvars]
         return rec, outs, [origin(a) for a in jaxpr.outvars]
-
-    def _leaf_origin(self, eqn: Any, key: str, ins: list[Origin]) -> Origin:
-        """The origin of a leaf equation's outputs (see :class:`Origin`)."""
-        const = all(o.const for o in ins)
-        floats = [o for a, o in zip(eqn.invars, ins, strict=True) if is_float(a.aval.dtype)]
-        listed = self.lists.kind(key)
-        copies = {o.copy_of for o in floats}
-        copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None
-        derived: frozenset[int] = frozenset()
-        updates: frozenset[int] = frozenset()
-        if listed in ("infer", "clear") or eqn.primitive.name == "convert_element_type":
-            shape = getattr(eqn.outvars[0].aval, "shape", None) if eqn.outvars else None
-            same = [
-                o
-                for a, o in zip(eqn.invars, ins, strict=True)
-                if is_float(a.aval.dtype) and getattr(a.aval, "shape", None) == shape
-            ]
-            derived = frozenset().union(*(o.derived for o in same))
-            updates = frozenset().union(*(o.updates for o in same)) & derived
-            if eqn.primitive.name in _COMBINES:
-                # old + something else: every input of ``derived`` some operand lacks
-                updates |= frozenset(j for j in derived if any(j not in o.derived for o in ins))
-        return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
 
     def _structural(
         self, key: str, path: str, avals: list[Any], process: bool, unit: int | None
@@ -457,6 +437,25 @@ class Graph:
         ]
         sub, _, _ = self._enter(layout.body(), inner, f"{path}/", region, node, in_origins)
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
+        # A residual the unit hands its backward pass straight from a deny piece (the ``exp``
+        # of a log-softmax) is TF's gradient op recomputing it (LogSoftmaxGrad's Exp): its own
+        # vertex, of that piece's list, so deny spreads into the backward pass as in TF.
+        inner_sources = {}
+        for e, r in zip(sub.jaxpr.eqns, sub.eqns, strict=True):
+            for v in e.outvars:
+                inner_sources[v] = r.node
+        for i, atom in enumerate(sub.jaxpr.outvars):
+            piece = inner_sources.get(atom) if not jc.is_literal(atom) else None
+            if out[i] is None or piece is None or self.nodes[piece].listed_kind != "deny":
+                continue
+            out[i] = self._node(
+                self.nodes[piece].key,
+                f"{path}/output{i}",
+                float32=is_f32(eqn.outvars[i].aval.dtype),
+                process=process,
+                unit=unit,
+                fanin=[node],
+            )
         return out, EqnRec("unit", node=node, subs={"body": sub})
 
     def _cond(self, eqn, layout, ins, path, region, unit, in_origins):
@@ -467,14 +466,21 @@ class Graph:
         subs = []
         args = layout.split(ins)["args"]
         arg_origins = layout.split(in_origins)["args"]
+        branch_origins = []
         for i, branch in enumerate(layout.body("cases")):
-            sub, bouts, _ = self._enter(
+            sub, bouts, bout_origins = self._enter(
                 branch, args, f"{path}/branch{i}/", region, unit, arg_origins
             )
             self._link(outs, bouts)
             subs.append(sub)
+            branch_origins.append(bout_origins)
         rec = EqnRec(ho.COND, subs={"cases": subs}, carries=outs)
-        return outs, rec, [_NOWHERE] * len(outs)
+        # One branch's result or another's: a selection (``where(ok, new, old)``).
+        out_origins = [select_origin(list(os)) for os in zip(*branch_origins, strict=True)]
+        for node, o in zip(outs, out_origins, strict=True):
+            if node is not None:
+                self.nodes[node].origin = o
+        return outs, rec, out_origins
 
     def _while(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
@@ -489,7 +495,8 @@ class Graph:
             "<carry>", f"{path}/carry", [v.aval for v in atoms["carry"]], process, unit
         )
         self._link(carries, ops["carry"])
-        carry_in = [Origin(copy_of=o.copy_of) for o in orig["carry"]]
+        carry_in, states = self._carry_states(carries, orig["carry"])
+        first = len(self.nodes)
         csub, _, _ = self._body(
             layout, "cond", cconsts + carries, path, region, unit, orig["cond_consts"] + carry_in
         )
@@ -499,7 +506,12 @@ class Graph:
         self._link(carries, bouts)
         rec = EqnRec(ho.WHILE, subs={"cond": csub, "body": bsub}, carries=carries)
         rec.operands = cconsts + bconsts + carries
-        return carries, rec, self._carry_origins(carries, carry_in, bout_origins)
+        body = range(first, len(self.nodes))
+        return (
+            carries,
+            rec,
+            self._carry_origins(carries, states, orig["carry"], bouts, bout_origins, body),
+        )
 
     def _scan(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
@@ -515,11 +527,13 @@ class Graph:
         self._copies(xnodes, x_in)
         self._link(carries, ops["carry"])
         self._link(xnodes, ops["xs"])
-        carry_in = [Origin(copy_of=o.copy_of) for o in orig["carry"]]
+        carry_in, states = self._carry_states(carries, orig["carry"])
         body_in = orig["consts"] + carry_in + x_in
+        first = len(self.nodes)
         sub, bouts, bout_origins = self._body(
             layout, "body", consts + carries + xnodes, path, region, unit, body_in
         )
+        body = range(first, len(self.nodes))
         ynodes = self._structural(
             "<ys>", f"{path}/ys", [v.aval for v in eqn.outvars[ncarry:]], process, unit
         )
@@ -527,19 +541,37 @@ class Graph:
         self._link(ynodes, bouts[ncarry:])
         rec = EqnRec(ho.SCAN, subs={"body": sub}, carries=carries, xs=xnodes, ys=ynodes)
         rec.operands = consts + carries + xnodes
-        carry_out = self._carry_origins(carries, carry_in, bout_origins[:ncarry])
+        carry_out = self._carry_origins(
+            carries, states, orig["carry"], bouts[:ncarry], bout_origins[:ncarry], body
+        )
         ys_out = [Origin(copy_of=o.copy_of) for o in bout_origins[ncarry:]]  # stacked copies
         self._copies(ynodes, ys_out)
         return carries + ynodes, rec, carry_out + ys_out
 
-    def _carry_origins(self, carries, carry_in, bout_origins):
-        """A carry the body hands on unchanged stays a copy of what entered the loop."""
-        out = []
-        for node, o_in, o_out in zip(carries, carry_in, bout_origins, strict=True):
-            o = o_in if o_in.copy_of is not None and o_out.copy_of == o_in.copy_of else _NOWHERE
+    def _carry_states(self, carries, outer):
+        """The origins the body reads its carries with: each float carry a new state (as a
+        program input is at the top level), a copy of what entered if that was one."""
+        origins, states = [], []
+        for node, o in zip(carries, outer, strict=True):
+            state = None
+            if node is not None:
+                state, self._n_states = self._n_states, self._n_states + 1
+            states.append(state)
+            derived = frozenset() if state is None else frozenset({state})
+            origins.append(Origin(copy_of=o.copy_of, derived=derived))
+        return origins, states
+
+    def _carry_origins(self, carries, states, outer, bouts, bout_origins, body):
+        """The loop's results, seen from outside: a carry the body hands on unchanged stays a
+        copy of what entered; one the body computes linearly from the carries is linear in
+        what entered them (and an update of it when the body combined it with something
+        else). Records each float carry's :class:`LoopState`."""
+        out = loop_result_origins(states, outer, bout_origins)
+        rows = zip(carries, states, bouts, out, bout_origins, strict=True)
+        for node, state, src, o, o_out in rows:
             if node is not None:
                 self.nodes[node].origin = o
-            out.append(o)
+                self.loop_states.append(LoopState(state, node, src, o_out, body))
         return out
 
     def _body(self, layout, role, ins, path, region, unit, origins):
@@ -555,7 +587,7 @@ class Graph:
             path,
             region,
             unit,
-            [_CONST] * n_consts + list(origins),
+            [CONST] * n_consts + list(origins),
         )
 
     def _consts(self, atoms, sources, path, process, unit, origins):

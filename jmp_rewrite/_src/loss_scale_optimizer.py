@@ -52,6 +52,8 @@ from jmp_rewrite._src.finite import (
 from jmp_rewrite._src.loss_scale import DynamicLossScale, FixedLossScale, LossScale
 from jmp_rewrite._src.loss_scale_state import (
     LossScaleOptimizerState,
+    UnscaledGradientsWarning,
+    check_loss_was_scaled,
     get_loss_scale,
     get_loss_scale_state,
     last_step_applied,
@@ -66,6 +68,7 @@ __all__ = [
     "LossScaleDebugState",
     "LossScaleOptimizerState",
     "MixedPrecisionLossScaleOptimizer",
+    "UnscaledGradientsWarning",
     "all_finite",
     "get_loss_scale",
     "get_loss_scale_state",
@@ -145,17 +148,32 @@ def _applied_update(
     return _cast_updates_back(updates, grads, params), _cast_like(new_inner, inner_state)
 
 
+def _no_update_like(tree: ArrayTree) -> ArrayTree:
+    """Updates that change nothing: ``-0.0`` for floats, the one ``x`` for which ``p + x`` is
+    ``p`` bit for bit for every ``p`` (``-0.0 + 0.0`` is ``+0.0``: a parameter at ``-0.0``
+    would come back as ``+0.0`` after a skipped step), zeros otherwise."""
+
+    def leaf(u: Any) -> jax.Array:
+        # zeros_like keeps what ``u`` (a ShapeDtypeStruct too) says of shardings and varying
+        # manual axes; negating it gives -0.0 (complex: -0.0 - 0.0j).
+        zeros = jnp.zeros_like(u)
+        return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros
+
+    return jax.tree.map(leaf, tree)
+
+
 def _skipped_update(
     applied: Callable[..., tuple[ArrayTree, Any]],
     grads: ArrayTree,
     inner_state: Any,
     params32: ArrayTree,
 ) -> tuple[ArrayTree, Any]:
-    """A skipped step: zeros shaped like ``applied``'s updates; ``inner_state`` unchanged."""
+    """A skipped step: no-op updates (see :func:`_no_update_like`) shaped like ``applied``'s;
+    ``inner_state`` unchanged."""
     # Whatever structure the inner optimizer returns (e.g. per-example gradients in, batch-free
     # updates out), found by tracing it without running it.
     updates_like, _ = jax.eval_shape(applied, grads, inner_state, params32)
-    return optax.tree.zeros_like(updates_like), inner_state
+    return _no_update_like(updates_like), inner_state
 
 
 def _static_bool(x: jax.Array) -> bool | None:
@@ -183,7 +201,9 @@ def _apply_or_skip(
     """
     if use_select:
         new_updates, new_inner = applied(grads, inner_state, params32)
-        new_updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
+        new_updates = jax.tree.map(
+            lambda u, none: jnp.where(apply, u, none), new_updates, _no_update_like(new_updates)
+        )
         new_inner = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_inner, inner_state)
         return new_updates, new_inner
     skipped = functools.partial(_skipped_update, applied)
@@ -260,6 +280,13 @@ def _update(
     params: ArrayTree | None,
     extra_args: dict[str, Any],
 ) -> tuple[ArrayTree, LossScaleOptimizerState]:
+    if not isinstance(state, LossScaleOptimizerState):
+        raise TypeError(
+            "the update of a jmp_rewrite.loss_scale_optimizer expects the state its own init "
+            f"returns (a LossScaleOptimizerState); got a {type(state).__name__}, perhaps the "
+            "state of the optimizer it wraps (a checkpoint saved before wrapping). Wrap that "
+            "state instead: state = tx.init(params)._replace(inner_state=old_state)"
+        )
     rule = options.scale_rule
     loss_scale = jnp.asarray(state.loss_scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / loss_scale
@@ -479,18 +506,30 @@ def loss_scale_optimizer(
             raise ValueError(f"{name} must be True or False; got {flag!r}")
     options = _Options(inner, scale_rule, axis_name, bool(use_select), bool(debug))
 
+    # Named for explain, which shows the regions as float32_region(NAME).
     @float32_region
-    def init_fn(params: ArrayTree) -> LossScaleOptimizerState:
+    def loss_scale_optimizer_init(params: ArrayTree) -> LossScaleOptimizerState:
         return _init(options, params)
 
     @float32_region
-    def update_fn(
+    def loss_scale_optimizer_update(
         updates: ArrayTree,
         state: LossScaleOptimizerState,
         params: ArrayTree | None = None,
         **extra_args: Any,
     ) -> tuple[ArrayTree, LossScaleOptimizerState]:
         return _update(options, updates, state, params, extra_args)
+
+    def update_fn(
+        updates: ArrayTree,
+        state: LossScaleOptimizerState,
+        params: ArrayTree | None = None,
+        **extra_args: Any,
+    ) -> tuple[ArrayTree, LossScaleOptimizerState]:
+        check_loss_was_scaled(state, scale_rule)
+        return loss_scale_optimizer_update(updates, state, params, **extra_args)
+
+    init_fn = loss_scale_optimizer_init
 
     setattr(update_fn, _MARKER, scale_rule)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

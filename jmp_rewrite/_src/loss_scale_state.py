@@ -9,6 +9,7 @@ containers, ``flax.nnx.Optimizer`` objects and other pytrees; :func:`scale_loss`
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -69,6 +70,12 @@ def _leaf_value(x: Any) -> Any:
     return x
 
 
+def _state_nodes(tree: Any) -> list[tuple[Any, Any]]:
+    """(path, node) of every loss-scale state node in ``tree``."""
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state_node)
+    return [(path, node) for path, node in found if _is_state_node(node)]
+
+
 def get_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState:
     """The one :class:`LossScaleOptimizerState` inside a (possibly nested) optimizer state.
 
@@ -94,8 +101,7 @@ def get_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState:
       >>> int(jmp_rewrite.get_loss_scale_state(state).skipped_steps)
       0
     """
-    found, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state_node)
-    matches = [(path, node) for path, node in found if _is_state_node(node)]
+    matches = _state_nodes(opt_state)
     if not matches:
         raise ValueError(
             "no LossScaleOptimizerState found in the given "
@@ -172,6 +178,53 @@ def last_step_applied(opt_state: Any) -> jax.Array:
     return jnp.asarray(get_loss_scale_state(opt_state).last_step_applied, jnp.bool_)
 
 
+class UnscaledGradientsWarning(UserWarning):
+    """A loss-scale optimizer's ``update`` was traced where its loss scale was never read.
+
+    Gradients of an unscaled loss (``jax.grad(loss)`` instead of :func:`value_and_grad` or
+    :func:`scale_loss`) would be divided by the loss scale (32768 at first): training looks
+    fine and barely moves. Said once per process. If the loss is scaled in another traced
+    function (a separate ``jax.jit`` for the gradients, a ``scan`` over micro-batches that
+    carries the optimizer state), the warning is wrong: silence it with
+    ``warnings.filterwarnings("ignore", category=jmp_rewrite.UnscaledGradientsWarning)``.
+    """
+
+
+# ids of the loss-scale values :func:`scale_loss` read while tracing (ids only: holding the
+# tracers would leak them). A stale id can only hide a warning, never cause one.
+_SCALED_IDS: set[int] = set()
+_WARNED_UNSCALED: list[bool] = [False]
+
+
+def check_loss_was_scaled(state: Any, rule: Any) -> None:
+    """Warns (:class:`UnscaledGradientsWarning`, once) when ``update`` is traced with a loss
+    scale that :func:`scale_loss` never read in this program.
+
+    Only traced calls are checked (a train step under ``jax.jit`` or ``rewrite``): there the
+    loss scale is a tracer, and :func:`scale_loss`, called in the same program on the same
+    optimizer state, has seen that very tracer. Eager calls (tests of an optimizer with
+    made-up gradients) are not checked, nor is a fixed scale of 1.
+    """
+    if _WARNED_UNSCALED[0] or not isinstance(state, LossScaleOptimizerState):
+        return
+    scale = _leaf_value(state.loss_scale)
+    if not isinstance(scale, jax.core.Tracer) or id(scale) in _SCALED_IDS:
+        return
+    if getattr(rule, "loss_scale_value", None) == 1.0:
+        return
+    _WARNED_UNSCALED[0] = True
+    warnings.warn(
+        "loss_scale_optimizer's update is traced in a program where scale_loss never read "
+        "its loss scale: if the gradients come from jax.grad(loss), every update is divided "
+        "by the loss scale (32768 at first). Differentiate jmp_rewrite.scale_loss(loss, "
+        "opt_state), or use jmp_rewrite.value_and_grad(loss)(opt_state, ...). If the loss is "
+        "scaled in another traced function, ignore this: warnings.filterwarnings('ignore', "
+        "category=jmp_rewrite.UnscaledGradientsWarning)",
+        UnscaledGradientsWarning,
+        stacklevel=3,
+    )
+
+
 def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any) -> jax.Array:
     """``loss`` multiplied by the current loss scale; differentiate this, not ``loss``.
 
@@ -196,7 +249,12 @@ def scale_loss(loss: jax.typing.ArrayLike, opt_state: Any) -> jax.Array:
       >>> float(jmp_rewrite.scale_loss(jnp.float16(0.5), state))
       4.0
     """
-    scale = get_loss_scale(opt_state)
+    raw = get_loss_scale_state(opt_state).loss_scale
+    if isinstance(raw, jax.core.Tracer):
+        if len(_SCALED_IDS) > 100_000:  # ids of long-gone traces; keep the set small
+            _SCALED_IDS.clear()
+        _SCALED_IDS.add(id(raw))
+    scale = jnp.asarray(raw, jnp.float32)
     loss = jnp.asarray(loss)
     dtype = jnp.promote_types(loss.dtype, jnp.float32)
     return loss.astype(dtype) * scale.astype(dtype)
@@ -226,8 +284,10 @@ def value_and_grad(
       unscaled, in its own dtype.
 
     Raises:
-      TypeError: if ``fun`` is not callable.
-      ValueError: (when called) if ``opt_state`` holds no loss-scale state or more than one.
+      TypeError: if ``fun`` is not callable; (when called) if the first argument holds no
+        loss-scale state, as when called with ``jax.value_and_grad``'s convention
+        ``(params, *args)``.
+      ValueError: (when called) if ``opt_state`` holds more than one loss-scale state.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -241,6 +301,18 @@ def value_and_grad(
         raise TypeError(f"value_and_grad expects a callable fun; got {fun!r}")
 
     def wrapped(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, ArrayTree]:
+        if not _state_nodes(opt_state):
+            name = getattr(fun, "__name__", "fun")
+            raise TypeError(
+                f"jmp_rewrite.value_and_grad({name})(...) takes the optimizer state first: "
+                f"call it as value_and_grad({name})(opt_state, *args), with opt_state the "
+                "state of a jmp_rewrite.loss_scale_optimizer (or an object holding it, such "
+                "as flax.nnx.Optimizer), and args what jax.value_and_grad would get. Its "
+                f"first argument, a {type(opt_state).__name__}, holds no "
+                "LossScaleOptimizerState: was it called with jax.value_and_grad's "
+                "convention (params, ...)?"
+            )
+
         def scaled_fun(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
             out = fun(*args, **kwargs)
             loss, aux = out if has_aux else (out, None)

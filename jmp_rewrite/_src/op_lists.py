@@ -19,6 +19,10 @@ painter computes for one primitive with several meanings:
 * ``integer_pow`` is split by its exponent (:func:`integer_pow_key`): ``y == -1`` is key
   ``reciprocal`` (TF ``Reciprocal``), ``y == 2`` is key ``square`` (TF ``Square``), any other
   ``y`` stays ``integer_pow`` (TF ``Pow``).
+* A ``dot_general`` without contracting dimensions (``jnp.einsum("i,j->ij", ...)``,
+  ``jnp.outer``) is key ``outer_product`` (:func:`dot_general_key`): TF ``Mul`` (infer), not a
+  matmul. It does no tensor-core work, and painted allow it would round its operands to half
+  before multiplying (RoPE's ``position x frequency`` angles, up to thousands of radians).
 * A ``jit`` equation whose ``params["name"]`` is ``N`` is looked up as ``jit:N``
   (:func:`jit_key`). When that key is on a list the painter treats the whole call as one op of
   that list, like TF's fused op, instead of seeing through it. ``jax.nn.log_softmax`` is
@@ -35,8 +39,8 @@ adds a primitive that is not classified.
 Misuse to avoid: these are *TF's* choices, kept for parity. For example ``reduce_sum`` is deny
 in float16 (so layer-norm and batch-norm statistics stay float32) but infer in bfloat16, and
 ``rsqrt`` is unlisted in float16. Change them with :meth:`OpLists.add` / :meth:`OpLists.remove`
-or the ``JMP_REWRITE_*`` environment variables (:func:`lists_from_environment`), not by
-editing the tables here.
+or TF's environment variables (:mod:`jmp_rewrite._src.environment`), not by editing the tables
+here.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ import dataclasses
 import difflib
 import functools
 import importlib
-import os
 import re
 import types
 import warnings
@@ -70,10 +73,6 @@ LEVELS: tuple[str, ...] = (
 )
 #: Half-precision dtypes with default lists.
 DTYPES: tuple[str, ...] = ("float16", "bfloat16")
-
-#: Environment variable that selects a level (TF: ``..._GRAPH_REWRITE_LEVEL``).
-ENV_LEVEL = "JMP_REWRITE_LEVEL"
-_ENV_LIST = "JMP_REWRITE_{list}LIST_{action}"
 
 #: Named jit units that the painter treats as one op (TF's fused ops).
 JIT_UNIT_PREFIX = "jit:"
@@ -209,6 +208,11 @@ _def_infer(
     "TF Inv/Reciprocal: virtual key for integer_pow(y=-1) (also Pallas's reciprocal)",
     "reciprocal",
 )
+_def_infer(
+    "TF Mul: virtual key for a dot_general without contracting dimensions (an outer product, "
+    "einsum 'i,j->ij' as in RoPE's angles): a broadcast multiply, no tensor-core work",
+    "outer_product",
+)
 # TF lists Softmax/LogSoftmax/Softplus/Elu/Selu/Softsign as infer, not deny (TF's own docstring
 # calls Softmax a deny op; the code disagrees): fused kernels that are fine in half. JAX
 # decomposes them into exp/expm1/reduce_sum (deny), so the painter must see the named jit as
@@ -227,22 +231,43 @@ _def_deny("no TF op: 2**x overflows like Exp", "exp2")
 _def_deny("TF Expm1", "expm1")
 _def_deny("TF Pow (float exponent: x**0.5, jnp.power)", "pow")
 _def_deny(
-    "TF Pow: x**n for n not in {-1, 2} (gelu's x**3 overflows half for |x| > 40)", "integer_pow"
-)
-_def_deny(
     "no TF op (TF Cumprod is unlisted): a running product overflows like Exp",
     "cumprod",
 )
 _def_deny(
     "no TF op: a running log-sum-exp overflows like Exp (it holds exp and a sum)", "cumlogsumexp"
 )
-_def_deny(
-    "no TF op: sum a_k x**k by Horner's rule (jax >= 0.12); its x**N overflows half like "
-    "TF Pow (the x**3 of tanh-GELU)",
-    "polynomial",
-)
 
 # --- depends on the dtype ----------------------------------------------------------------------
+# TF denies Pow in both lists. x**3 overflows float16 for |x| > 40, but bfloat16 has float32's
+# exponent range: a power overflows bfloat16 only where it overflows float32 too, the reason
+# TF's own bf16 lists make Sum/Mean infer. Deny on Pow spreads through a whole tanh-GELU
+# (x**3 -> mul, add, mul, tanh, ...), storing its float32 tanh for the backward pass beside
+# the half activations: +2.25 GiB on GPT-2 small (H200). A deliberate difference from TF in
+# bfloat16 (DIFFERENCES_FROM_TF).
+_def_lists(
+    "deny",
+    "infer",
+    "TF Pow: x**n for n not in {-1, 2}; deny in fp16 (x**3 overflows half for |x| > 40), "
+    "infer in bf16 (float32's exponent range; TF: deny in both)",
+    "integer_pow",
+)
+_def_lists(
+    "deny",
+    "infer",
+    "no TF op: sum a_k x**k by Horner's rule (jax >= 0.12), treated like TF Pow: deny in fp16, "
+    "infer in bf16",
+    "polynomial",
+)
+_def_difference_from_tf(
+    ("bfloat16",),
+    "infer",
+    "TF Pow is deny; infer here: bfloat16 has float32's exponent range (TF's reason to make "
+    "Sum/Mean infer in bf16), and deny spread through the tanh-GELU kept its tanh float32 for "
+    "the backward pass: +2.25 GiB on GPT-2 small, +1.88 GiB on ViT-B/16 (H200)",
+    "integer_pow",
+    "polynomial",
+)
 # TF denies Sum/Mean on CUDA fp16 (a half accumulator overflows at 65504 and loses precision),
 # but the oneDNN bf16 list makes them infer: bfloat16 has float32's exponent range.
 _def_lists("deny", "infer", "TF Sum/Mean (+ div): deny in fp16, infer in bf16", "reduce_sum")
@@ -290,6 +315,12 @@ _def_clear("TF Reverse/ReverseV2/ReverseSequence", "rev")
 _def_clear("TF Select/SelectV2 (jnp.where)", "select_n")
 _def_clear("TF ClipByValue", "clamp")
 _def_clear("TF Maximum/Minimum/Relu/Relu6", "max", "min")
+# Equinox's own primitives, in the loops of diffrax, optimistix and lineax.
+_def_clear(
+    "no TF op (Equinox): a lax.select that ignores an unbatched predicate, like SelectV2",
+    "select_if_vmap",
+)
+_def_clear("no TF op (Equinox): an identity that refuses vmap, like Identity", "nonbatchable")
 _def_clear("TF Max/Min reductions", "reduce_max", "reduce_min")
 _def_clear("TF ArgMax/ArgMin", "argmax", "argmin")
 _def_clear("TF MaxPool/MaxPool3D (and min pooling)", "reduce_window_max", "reduce_window_min")
@@ -549,7 +580,7 @@ DIFFERENCES_FROM_TF: Mapping[tuple[str, str], tuple[str, str]] = types.MappingPr
 #: ``integer_pow`` exponents with their own key (everything else is ``integer_pow``: TF Pow).
 INTEGER_POW_KEYS: Mapping[int, str] = types.MappingProxyType({-1: "reciprocal", 2: "square"})
 #: Keys that are not JAX primitives; the painter computes them.
-VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal"})
+VIRTUAL_KEYS: frozenset[str] = frozenset({"reciprocal", "outer_product"})
 #: The named-jit keys this module puts on lists.
 JIT_UNIT_KEYS: frozenset[str] = frozenset(k for k in _REASONS if k.startswith(JIT_UNIT_PREFIX))
 
@@ -585,6 +616,24 @@ _TF_NAME_HINTS: Mapping[str, str] = types.MappingProxyType(
         "inv": "reciprocal",
     }
 )
+
+
+def dot_general_key(dimension_numbers: Any) -> str:
+    """The op key of a ``dot_general`` equation with ``dimension_numbers``.
+
+    Args:
+      dimension_numbers: the equation's ``params["dimension_numbers"]``,
+        ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+
+    Returns:
+      ``"outer_product"`` when nothing is contracted (TF Mul), else ``"dot_general"``.
+
+    Example:
+      >>> dot_general_key((((1,), (0,)), ((), ()))), dot_general_key((((), ()), ((), ())))
+      ('dot_general', 'outer_product')
+    """
+    (lhs_contract, _), _ = dimension_numbers
+    return "dot_general" if len(lhs_contract) else "outer_product"
 
 
 def integer_pow_key(y: int) -> str:
@@ -708,7 +757,7 @@ def _unknown_key_error(key: str, where: str) -> ValueError:
     message = f"unknown op key {key!r} in {where}"
     if suggestions:
         message += f"; did you mean {' or '.join(repr(s) for s in suggestions)}?"
-    message += " Keys are JAX primitive names (see jmp_rewrite.known_op_keys())."
+    message += " Keys are JAX primitive names: jmp_rewrite.known_op_keys() lists them all."
     return ValueError(message)
 
 
@@ -1026,169 +1075,3 @@ def apply_level(lists: OpLists, level: str | None, dtype: Any) -> OpLists:
             "(TF rejects it when oneDNN bf16 is used)"
         )
     return lists
-
-
-def env_var_name(kind: str, action: str) -> str:
-    """The environment variable for adding to / removing from one list.
-
-    Args:
-      kind: one of :data:`KINDS`.
-      action: ``"ADD"`` or ``"REMOVE"``.
-
-    Returns:
-      For example ``"JMP_REWRITE_INFERLIST_ADD"``.
-
-    Example:
-      >>> env_var_name("deny", "remove")
-      'JMP_REWRITE_DENYLIST_REMOVE'
-    """
-    if kind not in KINDS or action.upper() not in ("ADD", "REMOVE"):
-        raise ValueError(f"no environment variable for list {kind!r} and action {action!r}")
-    return _ENV_LIST.format(list=kind.upper(), action=action.upper())
-
-
-def env_var_names() -> tuple[str, ...]:
-    """Every ``JMP_REWRITE_*`` environment variable jmp_rewrite reads.
-
-    Returns:
-      ``JMP_REWRITE_LEVEL`` and the eight ``JMP_REWRITE_{list}LIST_{ADD,REMOVE}`` names.
-
-    Example:
-      >>> len(env_var_names()), env_var_names()[0]
-      (9, 'JMP_REWRITE_LEVEL')
-    """
-    lists = (env_var_name(kind, action) for kind in KINDS for action in ("ADD", "REMOVE"))
-    return (ENV_LEVEL, *lists)
-
-
-_ENV_PREFIX = "JMP_REWRITE_"
-# TF's list names before 2.4 (``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_WHITELIST_ADD``...).
-_TF_FORMER_LIST_NAMES = {"WHITELIST": "ALLOWLIST", "GRAYLIST": "INFERLIST", "BLACKLIST": "DENYLIST"}
-# Misspelled names already warned about: once per name and process, since the environment is
-# read on every call of a rewritten function.
-_WARNED_ENV_NAMES: set[str] = set()
-
-
-def warn_unknown_env_vars(env: Mapping[str, str], stacklevel: int = 2) -> None:
-    """Warns, once per name, about ``JMP_REWRITE_*`` variables that jmp_rewrite does not read.
-
-    A misspelled variable (``JMP_REWRITE_ALOWLIST_ADD``) would otherwise be ignored silently.
-    The warning names the closest valid variable. The prefix is matched case-insensitively.
-
-    Args:
-      env: the environment to check (e.g. ``os.environ``).
-      stacklevel: passed to :func:`warnings.warn`, counted from the caller of this function.
-    """
-    valid = env_var_names()
-    suffixes = [v[len(_ENV_PREFIX) :] for v in valid]
-    for name in sorted(env):
-        if not name.upper().startswith(_ENV_PREFIX) or name in valid:
-            continue
-        if name in _WARNED_ENV_NAMES:
-            continue
-        _WARNED_ENV_NAMES.add(name)
-        # Compared without the common prefix, which would make every name look close.
-        suffix = name.upper()[len(_ENV_PREFIX) :]
-        for old, new in _TF_FORMER_LIST_NAMES.items():
-            suffix = suffix.replace(old, new)
-        close = difflib.get_close_matches(suffix, suffixes, n=1, cutoff=0.6)
-        hint = (
-            f"did you mean {_ENV_PREFIX}{close[0]}?"
-            if close
-            else f"the variables are {', '.join(valid)}"
-        )
-        warnings.warn(
-            f"environment variable {name} is not read by jmp_rewrite and is ignored; {hint}",
-            stacklevel=stacklevel + 1,
-        )
-
-
-def _parse_env_keys(env: Mapping[str, str], var: str) -> frozenset[str]:
-    keys = frozenset(item.strip() for item in env.get(var, "").split(",") if item.strip())
-    for key in sorted(keys):
-        if not _is_known(key):
-            raise _unknown_key_error(key, var)
-    return keys
-
-
-def lists_from_environment(dtype: Any, env: Mapping[str, str] | None = None) -> tuple[OpLists, str]:
-    """Default lists with TF-style environment overrides applied, and the level.
-
-    Reads ``JMP_REWRITE_{ALLOWLIST,INFERLIST,DENYLIST,CLEARLIST}_{ADD,REMOVE}`` (comma-separated
-    op keys, spaces ignored) and ``JMP_REWRITE_LEVEL``, in TF's order:
-
-    1. start from :func:`default_lists`;
-    2. ``TENSOR_CORES_ONLY`` (float16) empties infer/deny/clear *before* the overrides, so
-       ``*_ADD``/``*_REMOVE`` for those three lists are ignored at that level (TF does the same;
-       a warning says so);
-    3. for each list, ADD then REMOVE; a REMOVE of a key that is not on that list is ignored
-       with a warning, as TF ignores it;
-    4. ``TREAT_INFER_AS_DENY`` then merges the (overridden) infer list into deny, as TF merges
-       after its list getters ran;
-    5. the four lists must be disjoint.
-
-    Other ``JMP_REWRITE_*`` variables (misspellings) are ignored with a warning, once per name,
-    that names the closest valid variable.
-
-    Args:
-      dtype: the target half-precision dtype (as for :func:`default_lists`).
-      env: the variables to read; ``os.environ`` when ``None``.
-
-    Returns:
-      ``(lists, level)`` with ``level`` one of :data:`LEVELS`. The painter handles
-      ``UNSAFE_FORCE_ALL`` itself; the lists are unchanged at that level.
-
-    Raises:
-      ValueError: for an unknown op key (naming the variable and the key), an unknown level,
-        UNSAFE_FORCE_ALL with bfloat16, or an op that ends on two lists ("conflicting
-        entries", naming the op and both lists).
-
-    Example:
-      >>> lists, level = lists_from_environment(
-      ...     "float16", {"JMP_REWRITE_INFERLIST_ADD": "rsqrt, square"})
-      >>> lists.kind("rsqrt"), level
-      ('infer', 'DEFAULT')
-    """
-    env = os.environ if env is None else env
-    warn_unknown_env_vars(env, stacklevel=2)
-    name = _canonical_dtype(dtype)
-    try:
-        level = canonical_level(env.get(ENV_LEVEL, ""))
-    except ValueError as e:
-        raise ValueError(f"{ENV_LEVEL}: {e}") from None
-    lists = default_lists(name)
-    if level == "UNSAFE_FORCE_ALL":
-        apply_level(lists, level, name)  # raises for bfloat16
-    tensor_cores_only = level == "TENSOR_CORES_ONLY" and name == "float16"
-    if tensor_cores_only:
-        lists = apply_level(lists, level, name)
-
-    sets = {kind: set(getattr(lists, kind)) for kind in KINDS}
-    for kind in KINDS:
-        add_var, remove_var = env_var_name(kind, "ADD"), env_var_name(kind, "REMOVE")
-        to_add, to_remove = _parse_env_keys(env, add_var), _parse_env_keys(env, remove_var)
-        if tensor_cores_only and kind != "allow":
-            for var, keys in ((add_var, to_add), (remove_var, to_remove)):
-                if keys:
-                    warnings.warn(
-                        f"{var} is ignored: {ENV_LEVEL}=TENSOR_CORES_ONLY empties the {kind} "
-                        "list before overrides are applied (as in TensorFlow)",
-                        stacklevel=2,
-                    )
-            continue
-        sets[kind] |= to_add
-        for key in sorted(to_remove - sets[kind]):
-            warnings.warn(
-                f"{remove_var}: {key!r} is not on the {kind} list for {name} "
-                f"(it is {_where(sets, key)}); ignored",
-                stacklevel=2,
-            )
-        sets[kind] -= to_remove
-
-    try:
-        lists = OpLists(**sets)
-    except ValueError as e:
-        raise ValueError(f"{e} (after applying the JMP_REWRITE_*LIST_* variables)") from None
-    if not tensor_cores_only:
-        lists = apply_level(lists, level, name)
-    return lists, level

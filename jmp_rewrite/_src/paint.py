@@ -8,9 +8,15 @@ and which pass decided that.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 from collections.abc import Callable, Iterable
 
+import numpy as np
+from jax import lax
+
+from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import Graph, Node, is_f32
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
@@ -97,26 +103,126 @@ def keep_output_copies_float32(g: Graph, p: Painting) -> None:
     _keep_float32(g, p, ids, "keep_output_copies_float32")
 
 
-def keep_state_updates_float32(g: Graph, p: Painting) -> None:
-    """State carried from step to step is updated in float32.
+def _asks_highest(eqn: object) -> bool:
+    precision = getattr(eqn, "params", {}).get("precision")
+    values = precision if isinstance(precision, tuple) else (precision,)
+    return any(v == lax.Precision.HIGHEST for v in values if isinstance(v, lax.Precision))
 
-    An output computed elementwise from the input of its shape (``new = m * old + (1 - m) *
-    stat``: a running average, an EMA, a plain SGD step) would be re-rounded to half every
-    step and drift; TF's stateful ops (``AssignMovingAvg``, fused batch norm's running
-    statistics) are on no list and keep float32. The chain from that input to the output
-    keeps float32; what flows into it (``stat``) may still be computed in half.
+
+def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
+    """A matmul or convolution that asks for ``precision=HIGHEST`` stays float32.
+
+    Our addition (TF's ops have no precision attribute): ``Precision.HIGHEST`` is the
+    caller's explicit request for float32 accuracy on every backend, as diffrax asks for it
+    when it combines a Runge-Kutta method's stages with its Butcher tableau
+    (``tensordot(a, ks, precision=HIGHEST)``). Painted allow, the tableau's coefficients
+    were rounded to half and the step lost the method's order. The default precision
+    (``None``) and lower ones are painted by the lists.
+    """
+    keep = [n.id for n in g.nodes if n.eqn is not None and n.process and _asks_highest(n.eqn)]
+    _keep_float32(g, p, keep, "keep_highest_precision_float32")
+
+
+#: Structural vertices a state chain runs through: an inner loop's result linear in the state,
+#: a ``cond`` choosing between new and old.
+_STATE_VERTICES = ("<carry>", "<cond-output>")
+#: Keys of the increment's linear tail (``- lr * g``, ``dt / 6 * (k1 + 2 * k2 + ...)``).
+_INCREMENT_KEYS = frozenset(
+    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}
+)
+
+
+def _keep_state_chain(g: Graph, p: Painting, state: int, roots: list[int], own: int | None):
+    """Keeps float32 the chain carrying ``state`` to ``roots`` (nodes linear in it; ``own``:
+    the loop carry holding it) and the linear tail of what is added to it."""
+
+    def in_chain(v: Node) -> bool:
+        linear = state in v.origin.derived and (v.eqn is not None or v.key in _STATE_VERTICES)
+        return v.id == own or linear
+
+    chain = _walk_up(g, roots, in_chain)
+    members = set(chain)
+    starts = [f for i in chain for f in g.nodes[i].fanin if f not in members]
+
+    def in_tail(v: Node) -> bool:
+        if v.eqn is None or v.key not in _INCREMENT_KEYS or not v.float32:
+            return False
+        return not (v.key in ("mul", "div") and _products(v) > 1)
+
+    tail = _dfs(starts, _fanin, g.nodes, lambda v, r: in_tail(v))
+    _keep_float32(g, p, chain + tail, "keep_state_updates_float32")
+
+
+def _products(n: Node) -> int:
+    """How many operands of a product or quotient are arrays (not literals, not scalars):
+    ``lr * g`` is a scaling, ``mean * mean`` a product."""
+    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))
+
+
+def keep_state_updates_float32(g: Graph, p: Painting) -> None:
+    """State is updated in float32: across steps (program outputs) and across iterations.
+
+    Our addition; TF keeps float32 what its stateful ops update (``AssignMovingAvg``, fused
+    batch norm's running statistics are on no list), and its functional ``While`` (on no
+    float16 list) crosses its loop boundary in float32. Two kinds of state:
+
+    * an output computed from the input of its shape linearly, combined with something else
+      (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
+      be re-rounded to half every step and drift. An output reached from the input through a
+      nonlinear function (``tanh(x @ w) + sigmoid(y)``) is no state update: TF's colours;
+    * a loop carry whose next value the body computes linearly from the carry itself
+      (``y + dt / 6 * (k1 + 2 k2 + 2 k3 + k4)``, ``p - lr * g``, ``where(ok, new, old)``,
+      ``m * ema + (1 - m) * x``): as TF's v2 loop variables, it stays float32, instead of
+      being rounded every iteration (the carry and its chain in the body; see
+      :class:`~jmp_rewrite._src.graph.LoopState`).
+
+    The chain from the state to the new value keeps float32, and so does the linear tail of
+    the increment (sums and scalings by constants: ``- 3e-3 * g``, ``dt / 6 * (...)``), so
+    that a learning rate or a step size is not rounded either; what flows into it (``g``,
+    the ``k``: matmuls, activations) is still computed in half.
     """
     roots_by_input: dict[int, list[int]] = {}
     for src, _, aval in g.outputs:
         if src is None or not is_f32(aval.dtype):
             continue
         for j in g.nodes[src].origin.updates:
-            inp = g.input_avals[j]
-            if inp.shape == aval.shape and is_f32(inp.dtype):
+            inp = g.input_avals[j] if j < len(g.input_avals) else None
+            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
-        ids = _walk_up(g, roots, lambda v, j=j: v.eqn is not None and j in v.origin.updates)
-        _keep_float32(g, p, ids, "keep_state_updates_float32")
+        _keep_state_chain(g, p, j, roots, None)
+    for ls in g.loop_states:
+        if ls.recurrent and g.nodes[ls.carry].float32:
+            _keep_state_chain(g, p, ls.state, [ls.root], ls.carry)
+
+
+_COMBINE_KEYS = ("add", "sub", "add_any")
+
+
+def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
+    """Loop carries painted half precision whose next value adds to them: carry id -> the
+    nodes on the elementwise path from the carry through an addition to its next value.
+
+    The state pass keeps a carry float32 when the body computes it *linearly* from itself;
+    one that adds to itself through a nonlinear op (``tanh(c + x)``, ``norm(h + f(h))``, an
+    unknown primitive) is left to TF's colours and is rounded to half every iteration.
+    ``explain``'s lint and ``compare`` name these, in case one of them is state.
+    """
+    found = {}
+    for ls in g.loop_states:
+        n = g.nodes[ls.carry]
+        if ls.carry not in p.allow or not n.float32 or ls.root is None or ls.root == ls.carry:
+            continue
+        body = set(ls.body)
+
+        def elementwise(v: Node, r: int, body: set[int] = body) -> bool:
+            return v.id == r or (v.id in body and v.listed_kind != ALLOW)
+
+        ahead = set(_dfs([ls.carry], _fanout, g.nodes, elementwise))
+        path = [i for i in _dfs([ls.root], _fanin, g.nodes, elementwise) if i in ahead]
+        if any(g.nodes[i].key in _COMBINE_KEYS for i in path):
+            found[ls.carry] = tuple(sorted(path))
+    return found
 
 
 #: Keys a normalization statistic is computed through above its reductions: the squares of
@@ -130,7 +236,8 @@ _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "cumsum"})
 
 
 def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
-    """Normalization statistics -- mean, variance and their ``rsqrt`` -- stay float32.
+    """Normalization statistics -- mean, variance and their ``rsqrt`` -- stay float32, and
+    spread no deny.
 
     TF's ``FusedBatchNorm*`` computes them in float32 whatever ``T`` is (its ``U``
     attribute), and Flax casts to float32 for them; in a float32 program that cast is a
@@ -138,10 +245,18 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
     infer) compute ``E[x**2] - E[x]**2`` in half. From every ``rsqrt``, the chain back to
     the reductions (and, past them, the squares and centring they sum) keeps float32; allow
     ops (the matmul or conv producing ``x``) and any other op past a reduction stop it.
+
+    The fused op is *infer* on TF's float16 list (Keras's ``LayerNormalization`` runs
+    through it too): its statistics, float32 inside, never make the normalized activations
+    float32. Decomposed, the float16 lists' ``reduce_sum`` (TF ``Sum``/``Mean``) is deny, and
+    kept float32 here it would still spread deny through the normalization, the residual add
+    and the ReLU, storing the residual stream in float32 beside its half copy (ResNet-50
+    float16: +1.10 GiB on an H200). So the statistics kept float32 are unlisted: float32,
+    spreading nothing, as inside TF's fused op.
     """
 
-    def eligible(n: Node) -> bool:
-        return n.eqn is not None and n.process and n.listed_kind != ALLOW
+    def eligible(n: Node) -> bool:  # kept float32 by another pass or not, as long as paintable
+        return n.eqn is not None and n.unit is None and not n.region and n.listed_kind != ALLOW
 
     # Below the reductions: the nodes between an rsqrt and the reductions it reads. An
     # rsqrt that no reduction feeds is no statistic and is left to the lists.
@@ -179,6 +294,61 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
         lambda n: eligible(n) and (n.key in _STATISTIC_INPUTS or n.key in _REDUCTIONS),
     )
     _keep_float32(g, p, keep, "keep_normalization_statistics_float32")
+    for i in keep:
+        if g.nodes[i].kind == DENY:
+            g.nodes[i].kind = UNLISTED
+
+
+#: Functions whose limit at +-Inf is finite and exact (``tanh(inf) == 1``).
+_SATURATING = frozenset({"tanh", "logistic", "erf"})
+#: Powers TF calls ``Pow`` (deny in float16): they overflow half before their input does.
+_POWERS = frozenset({"integer_pow", "polynomial"})
+_CHAIN_LIMIT = 8
+
+
+def _saturates(g: Graph, v: int) -> bool:
+    """Whether ``v``'s value only ever reaches a saturating function, unshared and with an
+    infinity kept infinite on the way: each step is the one reader of the last, and is a
+    product with a nonzero literal or a sum or difference with one other operand."""
+    for _ in range(_CHAIN_LIMIT):
+        n = g.nodes[v]
+        if len(n.fanout) != 1 or n.feeds_output:
+            return False
+        c = g.nodes[n.fanout[0]]
+        if c.key in _SATURATING:
+            return True
+        if c.eqn is None or c.fanin.count(v) != 1:
+            return False
+        if c.key == "mul":
+            literals = [a for a in c.eqn.invars if jc.is_literal(a)]
+            if len(c.fanin) != 1 or len(literals) != len(c.eqn.invars) - 1:
+                return False
+            if not all(np.all(np.asarray(jc.literal_value(a)) != 0) for a in literals):
+                return False
+        elif c.key not in ("add", "sub"):
+            return False
+        v = c.id
+    return False
+
+
+def release_saturated_powers(g: Graph, p: Painting) -> None:
+    """A power that only feeds a saturating function spreads no deny.
+
+    No TF pass; TF has no GELU op. The tanh-GELU, ``0.5 x (1 + tanh(c (x + 0.044715
+    x**3)))``, holds an ``x**3``: TF ``Pow``, deny on the float16 list, as it overflows half
+    for |x| > 40. Deny spread from it keeps the whole GELU float32, forward and backward, and
+    its float32 tanh is stored for the backward pass beside the half activations (GPT-2
+    small, float16: +2.25 GiB on an H200 over the hand-written model). But the power's value
+    reaches only the tanh, through a scaling and a sum, and there an overflow is harmless:
+    an infinite argument gives ``tanh = +-1`` exactly, GELU's own limit (``x`` or ``0``),
+    which is what a hand-written float16 GELU computes. Such a power is unlisted instead:
+    computed in float32, spreading nothing; the rest of the GELU follows its neighbours.
+    A power whose value is read anywhere else (or an output) stays deny.
+    """
+    for n in g.nodes:
+        if n.kind == DENY and n.key in _POWERS and n.process and _saturates(g, n.id):
+            n.kind = UNLISTED
+            p.painted_by[n.id] = "release_saturated_powers"
 
 
 def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:
@@ -294,6 +464,34 @@ def remove_allow_without_float32(g: Graph, p: Painting) -> None:
             p.painted_by[n.id] = "remove_allow_without_float32"
 
 
+def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
+    """A float32 value read in float32 is never a round trip through half precision.
+
+    Differs from TF on purpose. Pass 5 paints a clear op half when a half op is next to it,
+    either way: the ``broadcast_in_dim`` of a LayerNorm scale, shared by the forward float32
+    ``mul`` and the backward half ``mul``, becomes half, and TF's
+    ``ChangeTypeAttrsAndAddCasts`` would cast the float32 parameter to half before it and
+    back to float32 for the float32 reader: a silent rounding of a float32 computation
+    (GPT-2's first LayerNorm). Here a clear op painted half with no half input -- data
+    movement of float32 values -- stays float32 when a float32 op (or an output) reads it,
+    with the clear ops above it that have no half input either; its half readers cast after
+    it instead. As many casts, nothing rounded that was not rounded before.
+    """
+    copies: set[int] = set()  # clear ops painted half that only move float32 values
+    for n in g.nodes:  # graph order: inputs first (a loop's back edge only makes it miss one)
+        if n.id in p.allow and n.kind == CLEAR:
+            if all(f in copies or f not in p.allow for f in n.fanin):
+                copies.add(n.id)
+    read_in_float32 = [
+        v
+        for v in copies
+        if g.nodes[v].feeds_output or any(c not in p.allow for c in g.nodes[v].fanout)
+    ]
+    for v in _walk_up(g, read_in_float32, lambda n: n.id in copies):
+        p.allow.discard(v)
+        p.painted_by[v] = "keep_float32_reads_unrounded"
+
+
 def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
     """TF ``MakeCastsAllowIfAllOutputsAllow``: a user's cast to float32 feeding only
     half-precision consumers casts to half instead (``bool -> f32 -> matmul`` becomes
@@ -332,6 +530,8 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     keep_output_copies_float32(g, p)
     keep_state_updates_float32(g, p)
     keep_normalization_statistics_float32(g, p)
+    release_saturated_powers(g, p)
+    keep_highest_precision_float32(g, p)
     add_allowlist_ops(g, p, force_all)
     if not p.allow and not g.opaque_allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False
@@ -343,8 +543,37 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
         add_infer_to_allow_if_follow_allow(g, p)
     propagate_allow_through_clear(g, p)
     remove_allow_without_float32(g, p)
+    keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
     if not any(g.nodes[n].float32 for n in p.allow) and not g.opaque_allow:
         p.changed = False
     return p
+
+
+def deny_releases(graph: Graph, painting: Painting, options: dict) -> dict[int, tuple[str, ...]]:
+    """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
+
+    Repaints the graph once per deny key present (the passes run on node kinds only, so
+    nodes of that key are swapped for infer copies; nothing is traced again).
+    """
+    if not painting.changed or options.get("force_all"):
+        return {}
+    keys = sorted(
+        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
+    )
+    out: dict[int, list[str]] = collections.defaultdict(list)
+    for key in keys:
+        nodes = [
+            dataclasses.replace(n, kind="infer", listed_kind="infer")
+            if n.key == key and n.kind == "deny"
+            else n
+            for n in graph.nodes
+        ]
+        variant = copy.copy(graph)  # the same graph, with those nodes swapped
+        variant.nodes = nodes
+        p = paint(variant, infer_follows_allow=bool(options.get("infer_follows_allow", True)))
+        for i in sorted(p.allow - painting.allow):
+            if graph.nodes[i].eqn is not None:
+                out[i].append(key)
+    return {i: tuple(v) for i, v in out.items()}

@@ -8,7 +8,8 @@ traced inside it (including bodies of the calls it makes) keeps its float32 dtyp
 inputs that arrive in half precision are cast back to float32 on entry. This is the analogue
 of ``torch.autocast(enabled=False)``.
 
-Regions are marked with a ``jax.named_scope``; outside a rewrite they cost nothing.
+Regions are marked with a ``jax.named_scope`` (the marker, then the function's name, which
+``explain`` shows as ``float32_region(NAME)``); outside a rewrite they cost nothing.
 """
 
 from __future__ import annotations
@@ -53,12 +54,31 @@ def float32_region(fun: F) -> F:
     if not callable(fun):
         raise TypeError(f"float32_region expects a callable, got {type(fun).__name__}: {fun!r}")
 
+    name = getattr(fun, "__name__", None) or type(fun).__name__
+
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(FLOAT32_REGION_SCOPE):
+        with jax.named_scope(FLOAT32_REGION_SCOPE), jax.named_scope(name):
             return fun(*args, **kwargs)
 
     return wrapped  # type: ignore[return-value]
+
+
+def region_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Scope components with each region marker and the function name after it joined into
+    one readable component: ``(FLOAT32_REGION_SCOPE, "update")`` -> ``("float32_region(update)",)``.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(names):
+        if names[i] == FLOAT32_REGION_SCOPE:
+            fn = names[i + 1] if i + 1 < len(names) else "?"
+            out.append(f"float32_region({fn})")
+            i += 2
+        else:
+            out.append(names[i])
+            i += 1
+    return tuple(out)
 
 
 def in_float32_region(name_stack: str) -> bool:

@@ -9,141 +9,35 @@ as usual.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-import os
-import threading
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import arguments, nnx_support
-from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
 from jmp_rewrite._src.paint import Painting, paint
+from jmp_rewrite._src.settings import (
+    _HALF_DTYPES_MSG,
+    RewriteConfig,
+    RewriteOffWarning,
+    Settings,
+    _user_stacklevel,
+    effective_settings,
+    resolve_config,
+    validate_dtype,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-_HALF_DTYPES_MSG = "jnp.float16 or jnp.bfloat16"
-_ALLOWED_DTYPES_MSG = f"{_HALF_DTYPES_MSG} or None (pick by platform)"
-
-#: TF's kMinGPUArch: float16 only pays off on GPUs with tensor cores (compute capability 7.0).
-MIN_GPU_COMPUTE_CAPABILITY = (7, 0)
-
-
-@dataclasses.dataclass
-class _GlobalSwitch:
-    """Process-wide state of ``enable_mixed_precision_graph_rewrite``."""
-
-    enabled: bool = False
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-
-GLOBAL = _GlobalSwitch()
-
-
-def validate_dtype(dtype: Any) -> np.dtype | None:
-    """``dtype`` as a NumPy half dtype, or None.
-
-    Raises:
-      ValueError: if ``dtype`` is not float16, bfloat16 or None.
-    """
-    if dtype is None:
-        return None
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt not in HALF_DTYPES:
-        raise ValueError(f"dtype must be {_ALLOWED_DTYPES_MSG}; got {dtype!r}")
-    return dt
-
-
-def platform_dtype(device: Any = None) -> np.dtype | None:
-    """TF's choice of target dtype for a device: float16 on CUDA GPUs of compute capability
-    >= 7.0, bfloat16 on TPUs, None (no rewrite) elsewhere, e.g. on CPU.
-
-    Args:
-      device: a ``jax.Device``; defaults to ``jax.devices()[0]``.
-
-    Returns:
-      ``np.dtype(jnp.float16)``, ``np.dtype(jnp.bfloat16)`` or None.
-    """
-    device = device if device is not None else jax.devices()[0]
-    if device.platform == "tpu":
-        return np.dtype(jnp.bfloat16)
-    if device.platform in ("gpu", "cuda"):
-        cc = getattr(device, "compute_capability", None)
-        try:
-            major, minor = (int(p) for p in str(cc).split(".")[:2])
-        except ValueError:
-            return None
-        if (major, minor) >= MIN_GPU_COMPUTE_CAPABILITY:
-            return np.dtype(jnp.float16)
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class RewriteConfig:
-    """Everything that decides how a program is painted (hashable: a cache key)."""
-
-    dtype: np.dtype
-    lists: Any
-    force_all: bool
-    infer_follows_allow: bool
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return {"force_all": self.force_all, "infer_follows_allow": self.infer_follows_allow}
-
-
-def resolve_config(
-    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
-) -> RewriteConfig | None:
-    """The painting configuration, or None when the program is to be left unchanged.
-
-    With ``lists=None`` the defaults for ``dtype`` are used, with the ``JMP_REWRITE_*``
-    environment overrides (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``) applied; explicit
-    ``lists`` are used as given. ``level`` (else ``JMP_REWRITE_LEVEL``) applies either way.
-    """
-    dt = validate_dtype(dtype)
-    if dt is None:
-        return None
-    if lists is not None and not isinstance(lists, op_lists_lib.OpLists):
-        raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
-    # Resolved once per (arguments, JMP_REWRITE_* variables): it runs on every eager call.
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIX)))
-    return _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
-
-
-_ENV_PREFIX = "JMP_REWRITE_"
-
-
-@functools.lru_cache(maxsize=256)
-def _resolve_config(
-    dt: np.dtype, lists: Any, level: str | None, infer_follows_allow: bool, env_items: tuple
-) -> RewriteConfig:
-    env = dict(env_items)
-    if lists is None:
-        if level is not None:
-            env[op_lists_lib.ENV_LEVEL] = level
-        lists, level = op_lists_lib.lists_from_environment(dt, env)
-    else:
-        if level is None:
-            level = env.get(op_lists_lib.ENV_LEVEL, "")
-        lists = op_lists_lib.apply_level(lists, level, dt)
-    level = op_lists_lib.canonical_level(level)
-    # TF <= 2.19 ran pass 4 in BF16 mode only, so turning it off affects float16 alone.
-    infer_follows_allow = infer_follows_allow or dt == np.dtype(jnp.bfloat16)
-    return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", infer_follows_allow)
 
 
 @dataclasses.dataclass
@@ -209,24 +103,23 @@ class _RewrittenFunction:
         self._cache: dict[Any, _Entry] = {}
         # Traces per key with static Python numbers left out (to warn about re-tracing).
         self._churn: dict[Any, list[Any]] = {}
+        # Reasons already given for running unchanged (said once per function and reason).
+        self._said_off: set[str] = set()
 
     @property
     def _name(self) -> str:
         return getattr(self.fun, "__name__", type(self.fun).__name__)
 
     def config(self) -> RewriteConfig | None:
-        dtype, lists, level, follow = self.dtype, self.lists, self.level, self.infer_follows_allow
-        if dtype is None and GLOBAL.enabled:
-            opts = GLOBAL.options
-            dtype = opts.get("dtype")
-            lists = opts.get("lists", lists)
-            level = opts.get("level", level)
-            follow = opts.get("infer_follows_allow", follow)
-            if dtype is None:
-                dtype = platform_dtype()
-        elif dtype is None:
-            dtype = platform_dtype()
-        return resolve_config(dtype, lists, level, follow)
+        s = effective_settings(self.dtype, self.lists, self.level, self.infer_follows_allow)
+        if s.dtype is None and s.off_reason not in self._said_off:
+            self._said_off.add(s.off_reason)
+            warnings.warn(
+                f"rewrite({self._name}) runs unchanged: {s.off_reason}",
+                RewriteOffWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        return resolve_config(s.dtype, s.lists, s.level, s.infer_follows_allow)
 
     def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         call = arguments.split_call(self.static, args, kwargs, self._name)
@@ -276,6 +169,9 @@ class _RewrittenFunction:
         return _Entry(rewritten, outputs[-1])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        calls = _CALLS.get()
+        if calls is not None:
+            calls.append(self)
         entry, call = self._lookup(args, kwargs)
         out, state = entry.outputs.unflatten(entry.rewritten.emit(call.dynamic))
         if state is not None:
@@ -289,6 +185,59 @@ class _RewrittenFunction:
 
     def __repr__(self) -> str:
         return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype})"
+
+
+# Rewritten functions called while ``explain`` traces (see :func:`recording_calls`).
+_CALLS: contextvars.ContextVar[list[_RewrittenFunction] | None] = contextvars.ContextVar(
+    "jmp_rewrite_rewritten_calls", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[_RewrittenFunction]]:
+    """Collects the rewritten functions called (traced) inside the ``with`` block."""
+    calls: list[_RewrittenFunction] = []
+    token = _CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _CALLS.reset(token)
+
+
+def _is_jit(fun: Any) -> bool:
+    """``jax.jit``, ``nnx.jit``, ``eqx.filter_jit`` and the like: a wrapper that compiles the
+    function it wraps without changing what it computes (it can be lowered)."""
+    return callable(getattr(fun, "lower", None)) and hasattr(fun, "__wrapped__")
+
+
+def find_rewritten(fun: Any) -> tuple[_RewrittenFunction | None, int]:
+    """The :func:`rewrite` inside ``fun`` and how many jits wrap it, or ``(None, 0)``.
+
+    Looks through wrappers that only compile (``jax.jit``, ``nnx.jit``, ``eqx.filter_jit``,
+    found by ``__wrapped__``), not through ones that change the computation (``jax.grad``).
+    """
+    jits, seen = 0, set()
+    while id(fun) not in seen:
+        if isinstance(fun, _RewrittenFunction):
+            return fun, jits
+        seen.add(id(fun))
+        if not _is_jit(fun):
+            break
+        fun, jits = fun.__wrapped__, jits + 1
+    return None, 0
+
+
+def rewritten_with(fun: Callable[..., Any], settings: Settings, static: Any = None) -> Any:
+    """A :func:`rewrite` of ``fun`` with these settings (``dtype`` set) and static arguments."""
+    static = static if static is not None else arguments.resolve_static(fun, None, None)
+    return _RewrittenFunction(
+        fun,
+        settings.dtype,
+        settings.lists,
+        settings.level,
+        settings.infer_follows_allow,
+        static,
+    )
 
 
 @overload
@@ -365,11 +314,14 @@ def rewrite(
       dtype: ``jnp.float16`` or ``jnp.bfloat16`` forces the rewrite on any platform; None
         picks by platform like TF: float16 on CUDA GPUs of compute capability >= 7.0,
         bfloat16 on TPUs, no rewrite elsewhere (CPU) -- unless
-        :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` is on.
+        :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` gives a dtype. When no
+        dtype results, the function runs unchanged and a :class:`RewriteOffWarning` says
+        so once, with the reason.
       lists: a :class:`jmp_rewrite.OpLists`; default: the TF 2.21 lists for ``dtype`` with
-        the ``JMP_REWRITE_*`` environment overrides applied.
+        the environment overrides applied (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``
+        variables or their ``JMP_REWRITE_*`` aliases).
       level: TF's ``..._LEVEL``: ``"TENSOR_CORES_ONLY"``, ``"TREAT_INFER_AS_DENY"`` or
-        ``"UNSAFE_FORCE_ALL"`` (default: ``JMP_REWRITE_LEVEL`` or the default level).
+        ``"UNSAFE_FORCE_ALL"`` (default: the ``..._LEVEL`` variable or the default level).
       infer_follows_allow: run TF's pass 4 (TF >= 2.20 does in every mode); False gives
         the TF <= 2.19 float16 behaviour.
       static_argnums: indices of static arguments, as in ``jax.jit`` (negative ones count

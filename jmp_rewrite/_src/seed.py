@@ -16,7 +16,7 @@ from typing import Any
 
 import optax
 
-from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings
 from jmp_rewrite._src.loss_scale import LossScale
 from jmp_rewrite._src.loss_scale_optimizer import is_loss_scale_optimizer, loss_scale_optimizer
 
@@ -86,23 +86,23 @@ def enable_mixed_precision_graph_rewrite(
         )
     # Validate now (bad dtype, lists or level), not at the first traced program.
     dtype = rewrite_options.get("dtype")
-    rewrite_lib.validate_dtype(dtype)
+    settings.validate_dtype(dtype)
     if dtype is not None:
-        rewrite_lib.resolve_config(
+        settings.resolve_config(
             dtype,
             rewrite_options.get("lists"),
             rewrite_options.get("level"),
             rewrite_options.get("infer_follows_allow", True),
         )
     wrapped = loss_scale_optimizer(opt, loss_scale)
-    with rewrite_lib.GLOBAL.lock:
-        if rewrite_lib.GLOBAL.enabled:
+    with settings.GLOBAL.lock:
+        if settings.GLOBAL.enabled:
             warnings.warn(
                 "enable_mixed_precision_graph_rewrite was already on; its options are replaced",
                 stacklevel=2,
             )
-        rewrite_lib.GLOBAL.enabled = True
-        rewrite_lib.GLOBAL.options = dict(rewrite_options)
+        settings.GLOBAL.enabled = True
+        settings.GLOBAL.options = dict(rewrite_options)
     return wrapped
 
 
@@ -118,9 +118,9 @@ def disable_mixed_precision_graph_rewrite() -> None:
       >>> jmp_rewrite.mixed_precision_graph_rewrite_enabled()
       False
     """
-    with rewrite_lib.GLOBAL.lock:
-        rewrite_lib.GLOBAL.enabled = False
-        rewrite_lib.GLOBAL.options = {}
+    with settings.GLOBAL.lock:
+        settings.GLOBAL.enabled = False
+        settings.GLOBAL.options = {}
 
 
 def mixed_precision_graph_rewrite_enabled() -> bool:
@@ -134,4 +134,4 @@ def mixed_precision_graph_rewrite_enabled() -> bool:
       >>> jmp_rewrite.mixed_precision_graph_rewrite_enabled()
       False
     """
-    return rewrite_lib.GLOBAL.enabled
+    return settings.GLOBAL.enabled

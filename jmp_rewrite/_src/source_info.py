@@ -37,6 +37,7 @@ from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import walk_scopes
+from jmp_rewrite._src.regions import region_names
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -274,7 +275,7 @@ def _origin(ctx: _Context) -> Origin:
         # No names, or only Equinox's class names (eqx.nn.Linear): the attribute path of
         # the frames says which layer it is.
         names = _frame_scope(frames) or names
-    return Origin("/".join(names), source, phase)
+    return Origin("/".join(region_names(names)), source, phase)
 
 
 def _enter(ctx: _Context, eqn: Any) -> _Context:

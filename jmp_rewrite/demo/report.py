@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import html
 import math
+import os
+import platform
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +36,21 @@ def fmt_scale(value: float) -> str:
     if exponent == int(exponent):
         return f"2^{int(exponent)}"
     return f"{value:g}"
+
+
+def machine() -> str:
+    """Today's date and this machine, for figures quoted elsewhere: ``2026-11-26, Intel(R)
+    Xeon(R) ... (2 CPUs), Linux, Python 3.11.7``."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{datetime.date.today().isoformat()}, {cpu} ({os.cpu_count()} CPUs), "
+        f"{platform.system()}, Python {platform.python_version()}"
+    )
 
 
 def trajectory_text(result: RunResult, limit: int = 14) -> str:

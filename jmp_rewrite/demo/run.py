@@ -20,6 +20,7 @@ from jmp_rewrite.demo.report import (
     comparison_table,
     fmt_scale,
     half_primitives,
+    machine,
     plot,
     scale_events,
     trajectory_text,
@@ -120,6 +121,7 @@ def run_demo(config: DemoConfig, stream: TextIO | None = None) -> DemoResult:
         say("loss scaling off: no steps skipped")
     delta = 100 * (mixed.test_accuracies[-1] - f32.test_accuracies[-1])
     say(f"test accuracy, mixed - float32: {delta:+.1f} points")
+    say(f"measured {machine()}, jax {jax.__version__}, {config.steps} steps, seed {config.seed}")
 
     os.makedirs(config.out, exist_ok=True)
     title = f"jmp_rewrite demo: {config.model}, float32 vs mixed {config.dtype}"

@@ -1,0 +1,425 @@
+"""GPU memory of the GPU benchmark's train steps, measured without a GPU.
+
+``make gpu-memory`` (or ``.venv-gpu/bin/python benchmarks/gpu_memory.py``) compiles the train
+steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders
+(``_gpu_models.py``, ``_gpu_steps.py``) -- for an NVIDIA H200 (or ``--target h100``) on a
+CPU-only machine: a *deviceless* XLA:GPU compile through ``jax.experimental.topologies``.
+XLA's buffer assignment for the card comes out of ``memory_analysis()``; on the H200 it
+matched the card's own figures within 40 KB (2026-11-26). Timings still need a card.
+
+It needs jax/jaxlib with the CUDA plugin (``jax[cuda12]``, about 5.6 GB of wheels), so it has
+its own environment, ``.venv-gpu`` (made by ``make gpu-memory``; never part of ``make test``).
+No GPU, driver or CUDA toolkit is used: ``CUDA_VISIBLE_DEVICES=-1``, ``JAX_PLATFORMS=cpu``.
+
+Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
+``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``; see ``gpu_speedup.py``):
+
+* ``peak``: arguments + outputs - aliased (donated) + temporaries, the figure ``gpu_speedup.py``
+  reports on the card, and ``temp`` alone;
+* ``moved``: bytes each kernel of the optimised HLO reads and writes (operands and results of
+  every fusion, library call and unfused op; for a ``conditional``, its costliest branch):
+  XLA's ``cost_analysis`` is not available without a device, so it is counted from the HLO;
+* ``kernels`` (launches: fusions, cuBLAS/cuDNN calls, unfused ops) and ``converts`` (convert
+  ops in the optimised HLO, fused or not); per model, the kernels loss scaling adds
+  (``rw-f16-lso`` over ``rw-f16``, Flax's ``hand-f16-dynscale`` over ``hand-f16``);
+* ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
+  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
+
+``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
+not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles
+only the rewritten steps (the float32 and hand-written ones do not depend on jmp_rewrite).
+
+Full sizes are the card's (GPT-2 small B32 T1024, ResNet-50 B128 224x224, ViT-B/16 B128); a
+GPT compile takes minutes on two cores. ``--smoke`` compiles toy sizes (seconds);
+``--platform cpu`` compiles for the host instead (no CUDA plugin needed; CPU memory is no
+proxy for the GPU's: XLA:CPU upcasts half-precision matmuls) -- the tests use both.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Before JAX starts: no GPU is looked for; the CUDA plugin only compiles.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _gpu_models  # noqa: E402
+import _gpu_steps  # noqa: E402
+
+import jmp_rewrite  # noqa: E402
+
+_COMMON = """
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+"""
+
+
+def _target(name: str, bandwidth: int, memory: int) -> str:
+    """An XLA ``GpuTargetConfig`` text proto (cuDNN 9.8, CUDA runtime 12.9)."""
+    return (
+        f"gpu_device_info {{{_COMMON}  memory_bandwidth: {bandwidth}\n"
+        f"  device_memory_size: {memory}\n}}\n"
+        'platform_name: "CUDA"\n'
+        "dnn_version_info { major: 9 minor: 8 }\n"
+        "runtime_version { major: 12 minor: 9 }\n"
+        f'device_description_str: "{name}"\n'
+    )
+
+
+#: Targets: the H200 of the 2026-11-26 measurements, and the H100 SXM (same chip, 80 GB).
+TARGETS = {
+    "h200": _target("NVIDIA H200", 4_800_000_000_000, 150_109_208_576),
+    "h100": _target("NVIDIA H100 80GB HBM3", 3_352_320_000_000, 84_978_434_048),
+}
+#: Variants by half type (``f32`` is the reference of both).
+BY_DTYPE = {
+    "bf16": ("rw-bf16", "hand-bf16"),
+    "f16": ("rw-f16", "rw-f16-lso", "hand-f16", "hand-f16-dynscale"),
+}
+#: Rewritten variant -> its hand-written counterpart.
+PAIRS = {"rw-bf16": "hand-bf16", "rw-f16": "hand-f16", "rw-f16-lso": "hand-f16-dynscale"}
+#: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
+FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
+
+# ------------------------------------------------------------------------------------------
+# Optimised HLO: kernels, converts, bytes moved
+# ------------------------------------------------------------------------------------------
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
+_BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))"
+)
+#: Instructions that launch nothing (views, tuples, constants).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+_FREE |= {"partition-id", "replica-id", "opt-barrier"}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string (a tuple counts all its arrays)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _BYTES[dtype]
+    return total
+
+
+def _computations(text: str) -> tuple[dict[str, list[tuple[str, ...]]], str | None]:
+    comps: dict[str, list[tuple[str, ...]]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            comps[current].append(m.groups())
+    return comps, entry
+
+
+def hlo_stats(text: str) -> dict[str, int]:
+    """Kernels, bytes moved and converts of an optimised HLO module (see the module doc)."""
+    comps, entry = _computations(text)
+
+    def walk(name: str) -> dict[str, int]:
+        out = dict.fromkeys(("kernels", "fusions", "library_calls", "bytes_moved"), 0)
+        shapes = {n: s for n, s, _, _ in comps.get(name, [])}
+        for _, shape, op, rest in comps.get(name, []):
+            if op == "conditional":
+                names = []
+                for group, single in _BRANCHES.findall(rest):
+                    names += [b.strip().lstrip("%") for b in group.split(",")] if group else []
+                    names += [single] if single else []
+                branches = [walk(b) for b in names]
+                best = max(branches, key=lambda b: b["bytes_moved"], default={})
+                for k, v in best.items():
+                    out[k] += v
+                continue
+            if op in _FREE:
+                continue
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            out["kernels"] += 1
+            out["fusions"] += op == "fusion"
+            out["library_calls"] += op == "custom-call"
+            out["bytes_moved"] += shape_bytes(shape) + sum(
+                shape_bytes(shapes.get(o, "")) for o in operands
+            )
+        return out
+
+    stats = walk(entry) if entry else {}
+    stats["converts"] = len(re.findall(r"\bconvert\(", text))
+    return stats
+
+
+# ------------------------------------------------------------------------------------------
+# Compiling one model x variant
+# ------------------------------------------------------------------------------------------
+
+
+def compile_variant(
+    model: _gpu_models.Model, key: str, device: Any, lowering_platform: str
+) -> tuple[Any, float]:
+    """The compiled train step of ``model`` in variant ``key`` and its compile seconds."""
+    variant = _gpu_steps.VARIANTS[key]
+    tx, step = _gpu_steps.make_step(model, variant)
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    args = _gpu_steps.abstract_args(model, tx, sharding)
+    precision = (
+        jax.default_matmul_precision(variant.precision)
+        if variant.precision
+        else contextlib.nullcontext()
+    )
+    t0 = time.perf_counter()
+    with precision:
+        traced = jax.jit(step, donate_argnums=_gpu_steps.DONATE).trace(*args)
+        compiled = traced.lower(lowering_platforms=(lowering_platform,)).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def measure(compiled: Any) -> dict[str, Any]:
+    m = compiled.memory_analysis()
+    rec: dict[str, Any] = {
+        "peak_bytes": _gpu_steps.xla_peak_bytes(compiled),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+    }
+    stats = hlo_stats(compiled.as_text())
+    rec.update(stats)
+    return rec
+
+
+def ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Peak memory of each rewritten variant over its hand-written counterpart."""
+    out = {}
+    for rw, hand in PAIRS.items():
+        a, b = variants.get(rw, {}), variants.get(hand, {})
+        if a.get("peak_bytes") and b.get("peak_bytes"):
+            out[f"{rw}/{hand}"] = a["peak_bytes"] / b["peak_bytes"]
+    return out
+
+
+#: Loss-scaled variant -> the same step without loss scaling.
+LOSS_SCALED = {"rw-f16-lso": "rw-f16", "hand-f16-dynscale": "hand-f16"}
+
+
+def loss_scaling_kernels(variants: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Kernels each loss-scaled variant adds to the same step without loss scaling."""
+    out = {}
+    for scaled, plain in LOSS_SCALED.items():
+        a, b = variants.get(scaled, {}), variants.get(plain, {})
+        if "kernels" in a and "kernels" in b:
+            out[f"{scaled} - {plain}"] = a["kernels"] - b["kernels"]
+    return out
+
+
+def _ratio_of(model: dict[str, Any], key: str) -> float | None:
+    return next((v for k, v in model.get("ratios", {}).items() if k.startswith(key + "/")), None)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summarise(model: dict[str, Any]) -> None:
+    """Sets a model record's ``ratios`` and ``loss_scaling_kernels`` from its variants."""
+    model["ratios"] = ratios(model["variants"])
+    model["loss_scaling_kernels"] = loss_scaling_kernels(model["variants"])
+
+
+def take_baseline(result: dict[str, Any], baseline: dict[str, Any]) -> None:
+    """Fills in, from an earlier run, the variants this run did not compile (marked
+    ``from_baseline``), and records the earlier peaks and ratios as ``before``."""
+    for key, model in result["models"].items():
+        old = baseline.get("models", {}).get(key)
+        if old is None or old.get("config") != model["config"]:
+            continue
+        for vkey, rec in old["variants"].items():
+            if vkey not in model["variants"] and "peak_bytes" in rec:
+                model["variants"][vkey] = {**rec, "from_baseline": True}
+        summarise(model)
+        model["before"] = {
+            "peak_bytes": {k: r.get("peak_bytes") for k, r in old["variants"].items()},
+            "bytes_moved": {k: r.get("bytes_moved") for k, r in old["variants"].items()},
+            "ratios": ratios(old["variants"]),
+            "loss_scaling_kernels": loss_scaling_kernels(old["variants"]),
+        }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    meta = result["meta"]
+    unit, scale = ("MiB", 2.0**-20) if meta["smoke"] else ("GiB", 2.0**-30)
+    print(
+        f"\n## {meta['target']} (deviceless XLA:GPU compile on {meta['host']}), "
+        f"jax {meta['jax']}, {meta['date']}\n"
+    )
+    base = any("before" in m for m in result["models"].values())
+    head = f"| model | variant | peak {unit} | temp {unit} | rw/hand | moved GB | kernels "
+    head += "| converts | compile s |"
+    head += f" before: peak {unit} | rw/hand | moved GB |" if base else ""
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for m in result["models"].values():
+        before = m.get("before", {})
+        for key, r in m["variants"].items():
+            if "peak_bytes" not in r:
+                print(f"| {m['key']} | {key} | {r.get('error', '?')[:80]} |")
+                continue
+            line = (
+                f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
+                f"| {r['temp_bytes'] * scale:.2f} | {_fmt(_ratio_of(m, key), '.3f')} "
+                f"| {r['bytes_moved'] / 1e9:.2f} | {r['kernels']} | {r['converts']} "
+                f"| {'(baseline)' if r.get('from_baseline') else format(r['compile_s'], '.0f')} |"
+            )
+            if base:
+                peak = before.get("peak_bytes", {}).get(key)
+                moved = before.get("bytes_moved", {}).get(key)
+                line += (
+                    f" {_fmt(None if peak is None else peak * scale, '.2f')} "
+                    f"| {_fmt(_ratio_of(before, key), '.3f')} "
+                    f"| {_fmt(None if moved is None else moved / 1e9, '.2f')} |"
+                )
+            print(line)
+    for m in result["models"].values():
+        for name, n in m.get("loss_scaling_kernels", {}).items():
+            was = m.get("before", {}).get("loss_scaling_kernels", {}).get(name)
+            was = "" if was is None else f" (before: {was})"
+            print(f"{m['key']}: loss scaling adds {n} kernels, {name}{was}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=tuple(_gpu_models.BUILDERS), default=None)
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(BY_DTYPE), default=list(BY_DTYPE))
+    parser.add_argument(
+        "--variants", nargs="+", choices=tuple(_gpu_steps.VARIANTS), default=None,
+        help="default: f32 and the variants of --dtypes",
+    )  # fmt: skip
+    parser.add_argument("--target", choices=tuple(TARGETS), default="h200")
+    parser.add_argument(
+        "--platform", choices=("cuda", "cpu"), default="cuda",
+        help="cpu: compile for the host (no CUDA plugin; not the GPU's figures)",
+    )  # fmt: skip
+    parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--dump-hlo", type=Path, default=None, help="folder for optimised HLO")
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="an earlier run's JSON: printed beside this one, and the source of the variants "
+        "not compiled now (e.g. --variants rw-bf16 rw-f16 rw-f16-lso after a painting change: "
+        "the float32 and hand-written steps do not depend on jmp_rewrite)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    models = args.models or list(_gpu_models.BUILDERS)
+    variants = args.variants or ["f32", *(v for d in args.dtypes for v in BY_DTYPE[d])]
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+    device = None
+    if args.platform == "cuda":
+        from jax.experimental import topologies
+
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=TARGETS[args.target], topology="1x1x1"
+        )
+        device = topology.devices[0]
+    result: dict[str, Any] = {
+        "meta": {
+            "target": device.device_kind if device is not None else f"host ({platform.machine()})",
+            "platform": args.platform,
+            "host": f"{platform.machine()} CPU x{os.cpu_count()}",
+            "date": time.strftime("%Y-%m-%d"),
+            "jax": jax.__version__,
+            "jaxlib": _gpu_steps.version_of("jaxlib"),
+            "cuda_plugin": _gpu_steps.version_of("jax-cuda12-plugin"),
+            "jmp_rewrite": jmp_rewrite.__version__,
+            "flax": _gpu_steps.version_of("flax"),
+            "optax": _gpu_steps.version_of("optax"),
+            "python": platform.python_version(),
+            "smoke": args.smoke,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+        },
+        "models": {},
+    }
+    unit, scale = ("MiB", 2.0**-20) if args.smoke else ("GiB", 2.0**-30)
+    for key in models:
+        sizes = _gpu_models.SMOKE_SIZES[key] if args.smoke else FULL_SIZES[key]
+        model = _gpu_models.BUILDERS[key](**sizes)
+        rec_model: dict[str, Any] = {
+            "key": key,
+            "description": model.description,
+            "config": model.config,
+            "variants": {},
+            "ratios": {},
+        }
+        result["models"][key] = rec_model
+        for vkey in variants:
+            try:
+                compiled, seconds = compile_variant(model, vkey, device, args.platform)
+                rec = {**measure(compiled), "compile_s": seconds}
+                if args.dump_hlo is not None:
+                    args.dump_hlo.mkdir(parents=True, exist_ok=True)
+                    (args.dump_hlo / f"{key}-{vkey}.hlo").write_text(compiled.as_text())
+                del compiled
+            except Exception as err:  # noqa: BLE001 - record it, go on with the rest
+                rec = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            rec_model["variants"][vkey] = rec
+            summarise(rec_model)
+            _gpu_steps.write_json(result, args.out)
+            if "peak_bytes" in rec:
+                print(
+                    f"{key} {vkey}: peak {rec['peak_bytes'] * scale:.3f} {unit}, temp "
+                    f"{rec['temp_bytes'] * scale:.3f} {unit}, moved "
+                    f"{rec['bytes_moved'] / 1e9:.2f} GB, {rec['kernels']} kernels, "
+                    f"compile {rec['compile_s']:.0f} s",
+                    flush=True,
+                )
+            else:
+                print(f"{key} {vkey}: {rec['error'][:500]}", flush=True)
+    if args.baseline is not None:
+        take_baseline(result, json.loads(args.baseline.read_text()))
+        _gpu_steps.write_json(result, args.out)
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Where values come from, as the painting graph tracks it: copies, constants, state.
+
+A program input is a *state* when an output of its shape is computed from it linearly and
+combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step); a
+loop carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value,
+the input it copies, and the states it is linear in and updates; the painter keeps such
+chains float32 (``paint.keep_state_updates_float32``) and outputs that copy an input exact
+(``paint.keep_output_copies_float32``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """What the graph knows of where a value comes from.
+
+    Attributes:
+      const: a constant: a literal, a jaxpr const, or computed from constants only (such a
+        value is clamped to the half range when cast, never turned into infinity).
+      copy_of: the program input this value is an exact copy of (through calls, loop carries
+        passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
+      derived: states (program inputs, then loop carries: see :class:`LoopState`) this value
+        is a *linear* elementwise function of: through additions, subtractions, negations,
+        casts, selections and products or quotients by values not derived from the same state
+        (``m * old``, ``-lr * g``, ``where(ok, new, old)``), all of the value's shape. A
+        nonlinear function (``tanh(old)``, ``old * old``) is not state handed on.
+      updates: those of ``derived`` that an addition or subtraction has combined with
+        something else on the way (``new = a * old + b * f(x)``: a state update); a clip of
+        an update (``clip(p - lr * g, -c, c)``, a projected step) is one still.
+    """
+
+    const: bool = False
+    copy_of: int | None = None
+    derived: frozenset[int] = frozenset()
+    updates: frozenset[int] = frozenset()
+
+
+NOWHERE = Origin()
+CONST = Origin(const=True)
+#: Primitives that combine an old value with a new one in a state update.
+_COMBINES = ("add", "sub", "add_any")
+#: Elementwise primitives whose result is linear in each operand of its shape (a product or
+#: quotient only in an operand the other factor is not derived from: see ``Origin.derived``).
+_LINEAR = frozenset(
+    {*_COMBINES, "neg", "mul", "div", "select_n", "convert_element_type", "copy", "copy_p"}
+    | {"reduce_precision", "select_if_vmap", "nonbatchable"}
+)
+
+
+#: Clips: the state they project stays state once updated (see ``leaf_origin``).
+_PROJECTIONS = ("max", "min", "clamp")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    """A float carry of a ``while``/``scan`` loop seen from inside its body.
+
+    The body reads the carry as a state (its id ``state`` in :attr:`Origin.derived`, after the
+    program inputs' ids) and hands ``root`` back as its next value, of origin ``origin``.
+    When ``state`` is in ``origin.derived`` the carry is a recurrence linear in itself (an
+    accumulator, an ODE state, parameters trained in the loop): rounding it to half precision
+    every iteration would compound, so the painter keeps it float32 (see
+    ``paint.keep_state_updates_float32``).
+
+    Attributes:
+      state: the carry's state id.
+      carry: its ``<carry>`` node.
+      root: the source node of the body's result for it (None: a literal or a non-node).
+      origin: the origin of that result.
+      body: the ids of the nodes of the loop's bodies.
+    """
+
+    state: int
+    carry: int
+    root: int | None
+    origin: Origin
+    body: range
+
+    @property
+    def recurrent(self) -> bool:
+        """The body computes the carry's next value linearly from the carry itself."""
+        return (
+            self.root is not None and self.root != self.carry and self.state in self.origin.derived
+        )
+
+
+def select_origin(origins: list[Origin]) -> Origin:
+    """The origin of a value that is one of several (a ``cond``'s branches' results)."""
+    copies = {o.copy_of for o in origins}
+    derived = frozenset().union(*(o.derived for o in origins))
+    return Origin(
+        const=all(o.const for o in origins),
+        copy_of=copies.pop() if len(copies) == 1 else None,
+        derived=derived,
+        updates=frozenset().union(*(o.updates for o in origins)) & derived,
+    )
+
+
+def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
+    """The origin of the outputs of a leaf equation on list ``listed`` whose operands have
+    origins ``ins``."""
+    const = all(o.const for o in ins)
+    floats = [o for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
+    copies = {o.copy_of for o in floats}
+    copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None
+    derived: frozenset[int] = frozenset()
+    updates: frozenset[int] = frozenset()
+    name = eqn.primitive.name
+    if name in _PROJECTIONS and eqn.outvars:
+        # A clip of an updated state is the state projected (``clip(p - lr * g, lo, hi)``);
+        # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
+        updates = frozenset().union(*(o.updates for o in ins))
+        return Origin(const=const, copy_of=copy_of, derived=updates, updates=updates)
+    if name in _LINEAR and eqn.outvars:
+        shape = getattr(eqn.outvars[0].aval, "shape", None)
+        # per operand, the states it hands on (an operand of another shape: none)
+        per = [
+            o.derived
+            if _is_float(a.aval.dtype) and getattr(a.aval, "shape", None) == shape
+            else frozenset()
+            for a, o in zip(eqn.invars, ins, strict=True)
+        ]
+        if name == "mul" and len(per) == 2:
+            derived = per[0] ^ per[1]  # old * old is not linear in old
+        elif name == "div" and len(per) == 2:
+            derived = per[0] - per[1]  # nor is 1 / old
+        else:
+            derived = frozenset().union(*per)
+        updates = frozenset().union(*(o.updates for o in ins)) & derived
+        if name in _COMBINES:
+            # old + something else: every state of ``derived`` some operand lacks
+            updates |= frozenset(j for j in derived if any(j not in d for d in per))
+    return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
+
+
+def loop_result_origins(
+    states: list[int | None], outer: list[Origin], results: list[Origin]
+) -> list[Origin]:
+    """The origins of a loop's results, seen from outside, from the body's ``results`` for
+    carries that entered with origins ``outer`` and were read as ``states`` inside.
+
+    A carry the body hands on unchanged stays a copy of what entered; one the body computes
+    linearly from the carries is linear in what entered them, and an update of it when the
+    body combined it with something else (``y + dt * k`` is an update of ``y0``).
+    """
+    local = {s for s in states if s is not None}
+    out = []
+    for state, o_in, o_out in zip(states, outer, results, strict=True):
+        if o_in.copy_of is not None and o_out.copy_of == o_in.copy_of:
+            out.append(o_in)
+        elif state is not None and state in o_out.derived:
+            derived, updates = o_out.derived - local, o_out.updates - local
+            for s, o_m in zip(states, outer, strict=True):
+                if s in o_out.derived:
+                    derived |= o_m.derived
+                    updates |= o_m.derived if s in o_out.updates else o_m.updates
+            out.append(Origin(derived=derived, updates=updates & derived))
+        else:
+            out.append(NOWHERE)
+    return out

@@ -1,0 +1,230 @@
+"""What a rewrite runs with: the half dtype (the caller's, the global switch's or the
+platform's, as TF picks it), the lists after levels and environment variables, and why a
+rewrite is off when no dtype applies.
+
+:func:`jmp_rewrite.rewrite`, ``explain``, ``compare`` and the seed API all decide through
+:func:`effective_settings` and :func:`resolve_config`, so they agree on one program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src import environment
+from jmp_rewrite._src import op_lists as op_lists_lib
+
+HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+_HALF_DTYPES_MSG = "jnp.float16 or jnp.bfloat16"
+_ALLOWED_DTYPES_MSG = f"{_HALF_DTYPES_MSG} or None (pick by platform)"
+
+#: TF's kMinGPUArch: float16 only pays off on GPUs with tensor cores (compute capability 7.0).
+MIN_GPU_COMPUTE_CAPABILITY = (7, 0)
+
+
+@dataclasses.dataclass
+class _GlobalSwitch:
+    """Process-wide state of ``enable_mixed_precision_graph_rewrite``."""
+
+    enabled: bool = False
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+GLOBAL = _GlobalSwitch()
+
+
+def validate_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as a NumPy half dtype, or None.
+
+    Raises:
+      ValueError: if ``dtype`` is not float16, bfloat16 or None.
+    """
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in HALF_DTYPES:
+        raise ValueError(f"dtype must be {_ALLOWED_DTYPES_MSG}; got {dtype!r}")
+    return dt
+
+
+# Frames of these packages (and of Python's wrappers) are not where a user calls from.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (jax, np, sys.modules["jmp_rewrite"], sys.modules.get("jaxlib", jax))
+)
+_LIBRARY_FILES = frozenset(os.path.abspath(m.__file__) for m in (functools, contextlib))
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or filename in _LIBRARY_FILES
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from its caller, of the innermost frame outside JAX,
+    NumPy and jmp_rewrite: the user's call, under ``jax.jit`` too."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and _is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+class RewriteOffWarning(UserWarning):
+    """A rewritten function runs unchanged because ``dtype=None`` picked no half dtype here.
+
+    Said once per function and reason, as TF logs that its pass is off. Silence it with
+    ``warnings.filterwarnings("ignore", category=jmp_rewrite.RewriteOffWarning)``.
+    """
+
+
+_PLATFORM_RULE = (
+    "dtype=None picks the half dtype by platform as TF does (float16 on CUDA GPUs of compute "
+    "capability >= 7.0, bfloat16 on TPUs, none elsewhere)"
+)
+_FORCE_HINT = "pass dtype=jnp.float16 or dtype=jnp.bfloat16 to rewrite anyway"
+
+
+def platform_choice(device: Any = None) -> tuple[np.dtype | None, str]:
+    """:func:`platform_dtype` and, when it is None, why (a sentence for messages)."""
+    device = device if device is not None else jax.devices()[0]
+    if device.platform == "tpu":
+        return np.dtype(jnp.bfloat16), ""
+    if device.platform in ("gpu", "cuda"):
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(p) for p in str(cc).split(".")[:2])
+        except ValueError:
+            return None, f"{_PLATFORM_RULE}; the GPU reports no compute capability ({cc!r})"
+        if (major, minor) >= MIN_GPU_COMPUTE_CAPABILITY:
+            return np.dtype(jnp.float16), ""
+        return None, f"{_PLATFORM_RULE}; this GPU's compute capability is {major}.{minor}"
+    return None, f"{_PLATFORM_RULE}, and the default device is a {device.platform}"
+
+
+def platform_dtype(device: Any = None) -> np.dtype | None:
+    """TF's choice of target dtype for a device: float16 on CUDA GPUs of compute capability
+    >= 7.0, bfloat16 on TPUs, None (no rewrite) elsewhere, e.g. on CPU.
+
+    Args:
+      device: a ``jax.Device``; defaults to ``jax.devices()[0]``.
+
+    Returns:
+      ``np.dtype(jnp.float16)``, ``np.dtype(jnp.bfloat16)`` or None.
+
+    Example:
+      >>> import jax, jmp_rewrite
+      >>> jmp_rewrite.platform_dtype(jax.devices("cpu")[0]) is None  # TF: no rewrite on CPU
+      True
+    """
+    return platform_choice(device)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a rewrite with given arguments uses now (after the global switch and the platform).
+
+    Attributes:
+      dtype: the half dtype, or None when the rewrite is off.
+      lists: the :class:`~jmp_rewrite.OpLists`, or None for the defaults.
+      level: the level argument, or None.
+      infer_follows_allow: TF's pass 4 switch.
+      off_reason: why ``dtype`` is None (a sentence), else ``""``.
+    """
+
+    dtype: Any
+    lists: Any
+    level: str | None
+    infer_follows_allow: bool
+    off_reason: str = ""
+
+
+def effective_settings(
+    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
+) -> Settings:
+    """The settings :func:`rewrite` with these arguments uses now; ``explain`` uses the same.
+
+    An explicit ``dtype`` wins. Otherwise :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite`
+    supplies its options when it is on, and the platform picks the dtype (TF's rule).
+    """
+    if dtype is not None:
+        return Settings(dtype, lists, level, infer_follows_allow)
+    prefix = ""
+    if GLOBAL.enabled:
+        opts = GLOBAL.options
+        lists = opts.get("lists", lists)
+        level = opts.get("level", level)
+        infer_follows_allow = opts.get("infer_follows_allow", infer_follows_allow)
+        if opts.get("dtype") is not None:
+            return Settings(opts["dtype"], lists, level, infer_follows_allow)
+        prefix = "enable_mixed_precision_graph_rewrite is on without a dtype, and "
+    dtype, why = platform_choice()
+    off = f"{prefix}{why}; {_FORCE_HINT}" if dtype is None else ""
+    return Settings(dtype, lists, level, infer_follows_allow, off)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteConfig:
+    """Everything that decides how a program is painted (hashable: a cache key)."""
+
+    dtype: np.dtype
+    lists: Any
+    force_all: bool
+    infer_follows_allow: bool
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"force_all": self.force_all, "infer_follows_allow": self.infer_follows_allow}
+
+
+def resolve_config(
+    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
+) -> RewriteConfig | None:
+    """The painting configuration, or None when the program is to be left unchanged.
+
+    With ``lists=None`` the defaults for ``dtype`` are used, with the ``JMP_REWRITE_*``
+    environment overrides (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``) applied; explicit
+    ``lists`` are used as given. ``level`` (else ``JMP_REWRITE_LEVEL``) applies either way.
+    """
+    dt = validate_dtype(dtype)
+    if dt is None:
+        return None
+    if lists is not None and not isinstance(lists, op_lists_lib.OpLists):
+        raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
+    # Resolved once per (arguments, JMP_REWRITE_* / TF_AUTO_MIXED_PRECISION_* variables): it
+    # runs on every eager call.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if environment.is_ours(k)))
+    return _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_config(
+    dt: np.dtype, lists: Any, level: str | None, infer_follows_allow: bool, env_items: tuple
+) -> RewriteConfig:
+    env = dict(env_items)
+    if level is not None:
+        try:
+            op_lists_lib.canonical_level(level)
+        except ValueError as e:
+            raise ValueError(f"level={level!r}: {e}") from None
+    if lists is None:
+        lists, level = environment.lists_from_environment(dt, env, level=level)
+    else:
+        if level is None:
+            level = environment.level_from_environment(env)
+        lists = op_lists_lib.apply_level(lists, level, dt)
+    level = op_lists_lib.canonical_level(level)
+    # TF <= 2.19 ran pass 4 in BF16 mode only, so turning it off affects float16 alone.
+    infer_follows_allow = infer_follows_allow or dt == np.dtype(jnp.bfloat16)
+    return RewriteConfig(dt, lists, level == "UNSAFE_FORCE_ALL", infer_follows_allow)

@@ -1,0 +1,117 @@
+"""``benchmarks/gpu_memory.py``: its HLO accounting, and one run at toy sizes on the host.
+
+The script's real target is an XLA:GPU compile (``make gpu-memory``, its own environment
+with the CUDA plugin); here it compiles for the CPU (``--platform cpu``), which exercises the
+same step builders, memory analysis, HLO accounting and JSON (about 10 s: 2 compilations).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_memory.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+HLO = """\
+HloModule step
+
+%fused_add (p0: f32[8], p1: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  ROOT %add.1 = f32[8]{0} add(%p0, %p1)
+}
+
+%apply (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %neg = f32[8]{0} negate(%a)
+}
+
+%skip (b: f32[8]) -> f32[8] {
+  ROOT %b = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[8], y: bf16[4,2], c: pred[]) -> (f32[8], f32[8]) {
+  %x = f32[8]{0} parameter(0)
+  %y = bf16[4,2]{1,0} parameter(1)
+  %c = pred[] parameter(2)
+  %conv = f32[4,2]{1,0} convert(%y)
+  %b = f32[8]{0} bitcast(%conv)
+  %fusion = f32[8]{0} fusion(%x, %b), kind=kLoop, calls=%fused_add
+  %cond = f32[8]{0} conditional(%c, %fusion, %fusion), true_computation=%apply, \
+false_computation=%skip
+  ROOT %t = (f32[8]{0}, f32[8]{0}) tuple(%fusion, %cond)
+}
+"""
+
+
+def test_hlo_accounting():
+    import gpu_memory
+
+    assert gpu_memory.shape_bytes("(f32[8]{0}, bf16[4,2]{1,0}, pred[])") == 32 + 16 + 1
+    stats = gpu_memory.hlo_stats(HLO)
+    # convert: 16 + 32 bytes; fusion: 32 + 32 + 32; the costlier branch (negate): 32 + 32.
+    assert stats["kernels"] == 3 and stats["fusions"] == 1 and stats["library_calls"] == 0
+    assert stats["bytes_moved"] == 48 + 96 + 64
+    assert stats["converts"] == 1
+
+
+def test_baseline_fills_in_variants_not_compiled_now():
+    import gpu_memory
+
+    config = {"batch": 2}
+    now = {"models": {"gpt": {"config": config, "variants": {"rw-bf16": {"peak_bytes": 90}}}}}
+    before = {
+        "models": {
+            "gpt": {
+                "config": config,
+                "variants": {"rw-bf16": {"peak_bytes": 120}, "hand-bf16": {"peak_bytes": 100}},
+                "ratios": {"rw-bf16/hand-bf16": 1.2},
+            }
+        }
+    }
+    gpu_memory.take_baseline(now, before)
+    gpt = now["models"]["gpt"]
+    assert gpt["variants"]["hand-bf16"] == {"peak_bytes": 100, "from_baseline": True}
+    assert gpt["ratios"] == {"rw-bf16/hand-bf16": 0.9}
+    assert gpt["before"]["ratios"] == {"rw-bf16/hand-bf16": 1.2}
+    assert gpt["before"]["peak_bytes"]["rw-bf16"] == 120
+    variants = {"rw-f16": {"kernels": 10}, "rw-f16-lso": {"kernels": 17}}
+    assert gpu_memory.loss_scaling_kernels(variants) == {"rw-f16-lso - rw-f16": 7}
+    other = {"models": {"gpt": {"config": {"batch": 4}, "variants": {}, "ratios": {}}}}
+    gpu_memory.take_baseline(other, before)  # other sizes: nothing taken
+    assert "before" not in other["models"]["gpt"]
+
+
+def test_smoke_run_on_the_host(tmp_path):
+    out = tmp_path / "gpu_memory.json"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("JAX_CHECK_TRACER_LEAKS", None)
+    args = ["--smoke", "--platform", "cpu", "--models", "gpt"]
+    args += ["--variants", "rw-bf16", "hand-bf16", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["meta"]["platform"] == "cpu" and result["meta"]["smoke"] is True
+    gpt = result["models"]["gpt"]
+    assert set(gpt["variants"]) == {"rw-bf16", "hand-bf16"}
+    for rec in gpt["variants"].values():
+        assert rec["peak_bytes"] > 0 and rec["temp_bytes"] >= 0, rec
+        assert rec["kernels"] > 0 and rec["bytes_moved"] > 0 and rec["converts"] > 0, rec
+    assert set(gpt["ratios"]) == {"rw-bf16/hand-bf16"}
+    assert "| gpt | rw-bf16 |" in proc.stdout
