@@ -607,8 +607,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if ls.recurrent and g.nodes[ls.carry].float32:",
         "        if False:",
         (
+            T_LOOPS + "test_item1_loop_state_that_is_no_output",
             T_LOOPS + "test_item1_training_steps_in_a_loop",
-            T_LOOPS + "test_item1_rk4_neural_ode",
         ),
         "[14.1] a loop carry updated as old + small is rounded to half every iteration",
     ),
