@@ -50,11 +50,11 @@ $(DEMO_STAMP): pyproject.toml
 	$(call venv,demo)
 	touch $(DEMO_STAMP)
 
-.PHONY: test test-newest demo lint format bench figures gpu-memory clean
+.PHONY: test test-newest demo lint format bench figures gpu-memory mutants clean
 
 lint: $(STAMP)
-	$(BIN)/ruff check jmp_rewrite tests benchmarks
-	$(BIN)/ruff format --check jmp_rewrite tests benchmarks
+	$(BIN)/ruff check jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff format --check jmp_rewrite tests benchmarks tools
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
@@ -73,8 +73,8 @@ demo: $(DEMO_STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
 format: $(STAMP)
-	$(BIN)/ruff format jmp_rewrite tests benchmarks
-	$(BIN)/ruff check --fix jmp_rewrite tests benchmarks
+	$(BIN)/ruff format jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff check --fix jmp_rewrite tests benchmarks tools
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
@@ -90,6 +90,10 @@ $(GPU_STAMP): pyproject.toml
 
 gpu-memory: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
+
+# By hand, never in CI: each mutant of tools/mutant_list.py against its tests (see README).
+mutants: $(STAMP)
+	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
 	rm -rf .venv .venv-newest .venv-gpu .pytest_cache runs

@@ -1,7 +1,23 @@
-"""Shared fixtures. Test helpers live in jaxpr_walk.py (importable: tests/ is on sys.path)."""
+"""Shared fixtures and the hypothesis profiles. Test helpers live in jaxpr_walk.py
+(importable: tests/ is on sys.path).
+
+Property tests run derandomized by default (profile ``ci``: the same examples on every run,
+so a failure in CI is reproducible and a pass means the same thing each time); their edge
+cases are pinned with ``@example``. ``HYPOTHESIS_PROFILE=random`` draws new examples on every
+run, to look for failures by hand: ``HYPOTHESIS_PROFILE=random .venv/bin/python -m pytest
+tests/test_loss_scale.py``. A test's own ``@settings`` (example counts, phases) apply on top
+of the profile.
+"""
+
+import os
 
 import jax
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("random", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

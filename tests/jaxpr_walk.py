@@ -14,7 +14,7 @@ HALF = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 def sub_jaxprs(eqn: Any) -> Iterator[Any]:
     for value in eqn.params.values():
-        for v in value if type(value) is tuple else (value,):
+        for v in value if isinstance(value, tuple) else (value,):
             if hasattr(v, "eqns"):
                 yield v
             elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):

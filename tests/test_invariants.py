@@ -50,7 +50,8 @@ in ``jax.jit``; half of the examples are differentiated (``jax.grad`` of a loss 
 result with respect to the weights and the embedding table, returned beside the forward
 outputs).
 
-Examples are derandomized (the same programs on every run), few (10 per dtype and mode,
+Examples are derandomized (the same programs on every run: hypothesis' ``ci`` profile, see
+conftest.py; ``HYPOTHESIS_PROFILE=random`` draws new ones), few (10 per dtype and mode,
 forward and differentiated; each needs three compilations: float32, rewritten and naive
 half) and not shrunk (a failure reports the program as generated, at once).
 """
@@ -447,8 +448,6 @@ def test_generated_loop_programs(dtype, grad, data):
 @settings(
     max_examples=10,
     deadline=None,
-    derandomize=True,
-    database=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

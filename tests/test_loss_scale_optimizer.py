@@ -112,10 +112,13 @@ def test_step_sequence_sgd_momentum(jit, use_select):
     assert state.loss_scale.dtype == jnp.float32 and state.good_steps.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("use_select", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_adam_count_and_moments_do_not_advance_on_skipped_steps(jit):
+def test_adam_count_and_moments_do_not_advance_on_skipped_steps(jit, use_select):
     inner = optax.adam(0.1)
-    tx = jr.loss_scale_optimizer(inner, jr.DynamicLossScale(initial_loss_scale=8.0))
+    tx = jr.loss_scale_optimizer(
+        inner, jr.DynamicLossScale(initial_loss_scale=8.0), use_select=use_select
+    )
     update = maybe_jit(jit)(tx.update)
     params, state = PARAMS, tx.init(PARAMS)
     ref_params, ref_state = PARAMS, inner.init(PARAMS)
@@ -810,7 +813,11 @@ def test_checkpoint_round_trip_continues_the_exact_trajectory(debug):
 
 
 def test_no_tracer_leaks(leak_checking):
-    grads = scripted_grads(1, 4.0, "ok")
+    """Every variant's update traced under ``jax.check_tracer_leaks`` (a traced ``apply``:
+    ``lax.cond`` or ``jnp.where``) gives the eager update's results (a concrete ``apply``:
+    Python picks the branch), on an applied and on a skipped step; so do the ``axis_name``
+    paths under a named ``vmap`` and a jitted train step. Inputs and eager references are
+    computed with the check off: it disables JAX's caches, and they trace nothing."""
     variants = [
         jr.loss_scale_optimizer(optax.adam(0.1)),
         jr.loss_scale_optimizer(optax.adam(0.1), use_select=True),
@@ -820,24 +827,53 @@ def test_no_tracer_leaks(leak_checking):
         jr.loss_scale_optimizer(optax.MultiSteps(optax.sgd(0.1), 2)),
         optax.MultiSteps(jr.loss_scale_optimizer(optax.sgd(0.1)), 2).gradient_transformation(),
     ]
-    for tx in variants:
-        state = jax.jit(tx.init)(PARAMS)
-        jax.jit(tx.update).lower(grads, state, PARAMS)
-    # axis_name under a named vmap axis (psum / pmax paths).
+    events = ("ok", "nan")
+    with jax.check_tracer_leaks(False):
+        grads = {e: scripted_grads(1, 4.0, e) for e in events}
+        states = [tx.init(PARAMS) for tx in variants]
+        eager = [
+            [tx.update(grads[e], st, PARAMS) for e in events] for tx, st in zip(variants, states)
+        ]
+    for tx, state, expected in zip(variants, states, eager, strict=True):
+        update = jax.jit(tx.update).lower(grads["ok"], state, PARAMS).compile()
+        for event, ref in zip(events, expected, strict=True):
+            assert_trees_close(update(grads[event], state, PARAMS), ref, rtol=1e-6, atol=0)
+    for (_, ok_state), (_, nan_state) in eager[:3]:  # dynamic scale: halved on the skip
+        assert float(jr.get_loss_scale(ok_state)) == 2.0**15
+        assert float(jr.get_loss_scale(nan_state)) == 2.0**14
+        assert bool(jr.last_step_applied(ok_state)) and not jr.last_step_applied(nan_state)
+
+    # axis_name under a named vmap axis (psum / pmax paths): both members see the same
+    # gradients when one is poisoned, so each gets the unbatched update; both skip.
     for debug in (False, True):
         tx = jr.loss_scale_optimizer(optax.sgd(0.1), axis_name="i", debug=debug)
-        state = tx.init(PARAMS)
-        batched = jax.tree.map(lambda g: jnp.stack([g, g]), grads)
-        jax.jit(
-            jax.vmap(tx.update, in_axes=(0, None, None), axis_name="i", out_axes=(0, None))
-        ).lower(batched, state, PARAMS)
+        plain = jr.loss_scale_optimizer(optax.sgd(0.1), debug=debug)
+        with jax.check_tracer_leaks(False):
+            state = tx.init(PARAMS)
+            batched = {
+                e: jax.tree.map(lambda g, o: jnp.stack([g, o]), grads["ok"], grads[e])
+                for e in events
+            }
+            expected = {e: plain.update(grads[e], plain.init(PARAMS), PARAMS)[0] for e in events}
+        vmapped = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="i", out_axes=(0, None))
+        update = jax.jit(vmapped).lower(batched["ok"], state, PARAMS).compile()
+        for e in events:
+            updates, new_state = update(batched[e], state, PARAMS)
+            for member in (0, 1):
+                member_updates = jax.tree.map(lambda u, m=member: u[m], updates)
+                assert_trees_close(member_updates, expected[e], rtol=1e-6, atol=0)
+            assert bool(jr.last_step_applied(new_state)) == (e == "ok")
 
     def train_step(params, state):
         loss, g = jr.value_and_grad(lambda p: jnp.sum(p["w"] ** 2) + p["b"])(state, params)
         updates, state = variants[0].update(g, state, params)
         return optax.apply_updates(params, updates), state, loss, jr.last_step_applied(state)
 
-    jax.jit(train_step).lower(PARAMS, variants[0].init(PARAMS))
+    step = jax.jit(train_step).lower(PARAMS, states[0]).compile()
+    params, _, loss, applied = step(PARAMS, states[0])
+    assert float(loss) == 5.5 and bool(applied)
+    # adam's first step moves each parameter by the learning rate against its gradient
+    assert_trees_close(params, {"w": jnp.array([0.9, -1.9]), "b": jnp.array(0.4)}, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["finite", "loss_scale_state"])

@@ -6,6 +6,9 @@ import dataclasses
 import doctest
 import gc
 import importlib
+import json
+import pathlib
+import re
 import types
 import warnings
 
@@ -44,116 +47,105 @@ BF16 = default_lists("bfloat16")
 # Default lists
 # ------------------------------------------------------------------------------------------
 
-# (key, kind in float16, kind in bfloat16)
-EXPECTED = [
-    # allow: TF MatMul/BatchMatMul/Einsum/Conv*
-    ("dot_general", "allow", "allow"),
-    ("conv_general_dilated", "allow", "allow"),
-    ("ragged_dot_general", "allow", "allow"),
-    # infer
-    ("add", "infer", "infer"),
-    ("add_any", "infer", "infer"),
-    ("sub", "infer", "infer"),
-    ("mul", "infer", "infer"),
-    ("div", "infer", "infer"),
-    ("sqrt", "infer", "infer"),
-    ("log", "infer", "infer"),
-    ("log1p", "infer", "infer"),
-    ("erf", "infer", "infer"),
-    ("erfc", "infer", "infer"),
-    ("tanh", "infer", "infer"),
-    ("logistic", "infer", "infer"),
-    ("reduce_prod", "infer", "infer"),
-    ("reduce_window_sum", "infer", "infer"),
-    ("reciprocal", "infer", "infer"),
-    # deny
-    ("exp", "deny", "deny"),
-    ("exp2", "deny", "deny"),
-    ("expm1", "deny", "deny"),
-    ("pow", "deny", "deny"),
-    ("integer_pow", "deny", "infer"),  # DIFFERENCES_FROM_TF: TF Pow is deny in bf16 too
-    ("cumprod", "deny", "deny"),
-    ("cumlogsumexp", "deny", "deny"),
-    # TF Sum/Mean: deny on CUDA fp16, infer on oneDNN bf16; accumulations follow suit
-    ("reduce_sum", "deny", "infer"),
-    ("cumsum", "deny", "infer"),
-    ("scatter-add", "deny", "infer"),
-    ("scatter-sub", "deny", "infer"),
-    ("psum", "deny", "infer"),
-    # TF Rsqrt/Square: unlisted on CUDA fp16, infer in bf16
-    ("rsqrt", "unlisted", "infer"),
-    ("square", "unlisted", "infer"),
-    # clear
-    ("reshape", "clear", "clear"),
-    ("transpose", "clear", "clear"),
-    ("broadcast_in_dim", "clear", "clear"),
-    ("squeeze", "clear", "clear"),
-    ("slice", "clear", "clear"),
-    ("dynamic_slice", "clear", "clear"),
-    ("dynamic_update_slice", "clear", "clear"),
-    ("gather", "clear", "clear"),
-    ("scatter", "clear", "clear"),
-    ("concatenate", "clear", "clear"),
-    ("pad", "clear", "clear"),
-    ("rev", "clear", "clear"),
-    ("select_n", "clear", "clear"),
-    ("clamp", "clear", "clear"),
-    ("max", "clear", "clear"),
-    ("min", "clear", "clear"),
-    ("reduce_max", "clear", "clear"),
-    ("reduce_min", "clear", "clear"),
-    ("argmax", "clear", "clear"),
-    ("argmin", "clear", "clear"),
-    ("reduce_window_max", "clear", "clear"),
-    ("reduce_window_min", "clear", "clear"),
-    ("select_and_scatter_add", "clear", "clear"),
-    ("select_and_gather_add", "clear", "clear"),
-    ("abs", "clear", "clear"),
-    ("neg", "clear", "clear"),
-    ("sign", "clear", "clear"),
-    ("floor", "clear", "clear"),
-    ("ceil", "clear", "clear"),
-    ("round", "clear", "clear"),
-    ("eq", "clear", "clear"),
-    ("ne", "clear", "clear"),
-    ("lt", "clear", "clear"),
-    ("le", "clear", "clear"),
-    ("gt", "clear", "clear"),
-    ("ge", "clear", "clear"),
-    ("is_finite", "clear", "clear"),
-    ("sort", "clear", "clear"),
-    ("top_k", "clear", "clear"),
-    ("approx_top_k", "clear", "clear"),
-    ("copy", "clear", "clear"),
-    ("stop_gradient", "clear", "clear"),
-    ("sharding_constraint", "clear", "clear"),
-    ("optimization_barrier", "clear", "clear"),
-    ("cummax", "clear", "clear"),
-    ("cummin", "clear", "clear"),
-    ("all_gather", "clear", "clear"),
-    ("all_to_all", "clear", "clear"),
-    ("ppermute", "clear", "clear"),
-    ("pmax", "clear", "clear"),
-    ("pmin", "clear", "clear"),
-    ("split", "clear", "clear"),
-    ("tile", "clear", "clear"),
-    # unlisted on purpose
-    ("sin", "unlisted", "unlisted"),
-    ("convert_element_type", "unlisted", "unlisted"),
-    ("scatter-mul", "unlisted", "unlisted"),
-    ("cholesky", "unlisted", "unlisted"),
-    ("reduce_precision", "unlisted", "unlisted"),
-    ("jit", "unlisted", "unlisted"),
-    ("and", "unlisted", "unlisted"),
-]
-
 JIT_UNITS = ["log_softmax", "softplus", "elu", "selu", "celu", "soft_sign", "log_sigmoid"]
 
 
-@pytest.mark.parametrize(("key", "fp16", "bf16"), EXPECTED, ids=[e[0] for e in EXPECTED])
-def test_default_classification(key, fp16, bf16):
-    assert FP16.kind(key) == fp16
-    assert BF16.kind(key) == bf16
+# TF 2.21's lists as TF ships them (auto_mixed_precision_lists.h, read from the tensorflow
+# 2.21 wheel), the copy in tests/data; the configurations our default lists follow.
+TF_LISTS_FILE = pathlib.Path(__file__).with_name("data") / "tf_amp_lists_tf2.21.json"
+SHARED_REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "reference"
+TF_LISTS = json.loads(TF_LISTS_FILE.read_text())
+TF_CONFIG = {"float16": "cuda_fp16(cuda>=9.1,cudnn>=8.0)", "bfloat16": "onednn_bf16"}
+DEFAULTS = {"float16": FP16, "bfloat16": BF16}
+
+# The TF op names a reason gives (see the comment above the tables in op_lists.py):
+# "TF A/B(V2)/C: ..." names the counterparts, "... like [TF ]A/B" the ops it behaves like.
+_TF_NAMES = r"[A-Z]\w*(?:\(\w+\))?(?:/[A-Z]\w*(?:\(\w+\))?)*"
+_COUNTERPART = re.compile(rf"^TF ({_TF_NAMES})")
+_ANALOGUE = re.compile(rf"\blike (?:TF )?({_TF_NAMES})")
+_MENTIONED = re.compile(rf"\bTF ({_TF_NAMES})")
+
+
+def _names(group: str) -> list[str]:
+    return [re.sub(r"\(\w+\)$", "", name) for name in group.split("/")]
+
+
+def tf_kind(op: str, dtype: str) -> str:
+    """The list TF 2.21 puts ``op`` on for ``dtype`` (our default lists' configuration)."""
+    lists = TF_LISTS["effective"][TF_CONFIG[dtype]]
+    found = [kind for kind in KINDS if op in lists[kind]]
+    assert len(found) <= 1, (op, found)
+    return found[0] if found else "unlisted"
+
+
+def _all_tf_ops() -> set[str]:
+    return {
+        op for config in TF_LISTS["effective"].values() for ops in config.values() for op in ops
+    }
+
+
+def tf_reference(key: str) -> tuple[list[str], dict[str, str]]:
+    """The TF ops a list entry's reason names, and the kind they give it per dtype."""
+    reason = REASONS[key]
+    match = _COUNTERPART.match(reason) or _ANALOGUE.search(reason)
+    assert match, (
+        f"the reason of {key!r} names no TF op: start it with 'TF <Op>' (its counterpart) or "
+        f"say what it is 'like <Op>': {reason!r}"
+    )
+    ops = _names(match.group(1))
+    unknown = sorted(set(ops) - _all_tf_ops())
+    assert not unknown, f"{key!r}: {unknown} are on no TF list (a typo?): {reason!r}"
+    expected = {}
+    for dtype in TF_CONFIG:
+        kinds = {tf_kind(op, dtype) for op in ops} - {"unlisted"}
+        assert len(kinds) <= 1, f"{key!r}: {ops} are on different TF lists in {dtype}: {kinds}"
+        expected[dtype] = kinds.pop() if kinds else "unlisted"
+    return ops, expected
+
+
+def test_tf_lists_copy_matches_the_shared_reference():
+    shared = SHARED_REFERENCE / TF_LISTS_FILE.name
+    if not shared.is_file():
+        pytest.skip("no shared reference folder beside the checkout")
+    assert json.loads(shared.read_text()) == TF_LISTS
+
+
+@pytest.mark.parametrize("key", sorted(REASONS))
+def test_default_lists_follow_tf_or_declare_the_difference(key):
+    """Every key on a default list is, in both dtypes, on TF 2.21's list for the TF op its
+    reason names, or on the list DIFFERENCES_FROM_TF declares (with a reason) instead."""
+    ops, expected = tf_reference(key)
+    for dtype, lists in DEFAULTS.items():
+        ours = lists.kind(key)
+        declared = DIFFERENCES_FROM_TF.get((key, dtype))
+        if declared is None:
+            assert ours == expected[dtype], (
+                f"{key!r} is {ours} in {dtype}, but TF puts {'/'.join(ops)} on {expected[dtype]}"
+                " (declare a deliberate difference with _def_difference_from_tf)"
+            )
+        else:
+            assert ours == declared[0], f"{key!r} is {ours} in {dtype}, declared {declared[0]}"
+            assert ours != expected[dtype], (
+                f"{key!r} is declared to differ from TF in {dtype}, but TF puts "
+                f"{'/'.join(ops)} on {ours} too: remove the declaration"
+            )
+
+
+def test_declared_differences_are_default_list_keys_with_reasons():
+    assert DIFFERENCES_FROM_TF, "the Mha difference at least"
+    for (key, dtype), (kind, reason) in DIFFERENCES_FROM_TF.items():
+        assert key in REASONS and dtype in TF_CONFIG and kind in KINDS and reason.strip(), key
+
+
+@pytest.mark.parametrize("key", sorted(FLOAT32_ONLY))
+def test_float32_only_keys_name_tf_ops_that_tf_keeps_float32(key):
+    """A float32-only key is on no default list; a TF op its reason names is one TF never
+    converts (unlisted, or deny: SaveV2)."""
+    assert all(lists.kind(key) == "unlisted" for lists in DEFAULTS.values())
+    for group in _MENTIONED.findall(FLOAT32_ONLY[key]):
+        for op in _names(group):
+            for dtype in TF_CONFIG:
+                assert tf_kind(op, dtype) in ("unlisted", "deny"), (key, op, dtype)
 
 
 @pytest.mark.parametrize("name", JIT_UNITS)
@@ -167,25 +159,6 @@ def test_named_jit_units_are_infer_in_both_dtypes(name):
 def test_other_composites_are_not_units(name):
     assert jit_key(name) not in FP16
     assert jit_key(name) not in BF16
-
-
-def test_fp16_and_bf16_differ_exactly_where_tf_lists_differ():
-    keys = set().union(*(getattr(FP16, k) | getattr(BF16, k) for k in KINDS))
-    differ = {k for k in keys if FP16.kind(k) != BF16.kind(k)}
-    # ... and where a difference from TF is declared (a Pow infer in bfloat16).
-    declared = {key for dtype, key in DIFFERENCES_FROM_TF if dtype == "bfloat16"}
-    assert declared == {"integer_pow", "polynomial"}
-    assert differ == declared | {
-        "reduce_sum",
-        "cumsum",
-        "scatter-add",
-        "scatter-sub",
-        "psum",
-        "psum_invariant",
-        "reduce_scatter",
-        "rsqrt",
-        "square",
-    }
 
 
 def test_integer_pow_keys():

@@ -161,6 +161,24 @@ def _carry_colours(fun: Any, *args: Any, dtype: Any) -> list[str]:
 
 
 @DTYPES
+def test_item1_loop_state_that_is_no_output(dtype):
+    """The weights are returned flattened: no output has the shape of an input, so the
+    output-state rule cannot reach them; the loop carry is state on its own."""
+
+    def train_flat(p, x, y, half=None):
+        return jax.tree.map(jnp.ravel, fori_training(p, x, y, half))
+
+    p, x, y = _mlp_params(0), f32(2, 64, 16), f32(3, 64, 4)
+    before = jax.tree.map(jnp.ravel, p)
+    got = jax.jit(jmp_rewrite.rewrite(train_flat, dtype=dtype))(p, x, y)
+    ref = jax.jit(train_flat)(p, x, y)
+    hand = jax.jit(train_flat, static_argnums=3)(p, x, y, dtype)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(got))
+    assert_not_worse(_change(got, before), _change(hand, before), _change(ref, before), "change")
+    assert set(_carry_colours(train_flat, p, x, y, dtype=dtype)) == {"float32"}
+
+
+@DTYPES
 @pytest.mark.parametrize("loop", ["fori_loop", "while_loop"])
 def test_item1_training_steps_in_a_loop(dtype, loop):
     """The weight change was 35% (f16) / 91% (bf16) off float32 with the weights carried in

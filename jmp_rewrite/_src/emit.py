@@ -11,8 +11,9 @@ bodies take the dtypes their operands now have; loop carries, ``cond`` outputs a
 streams take the dtype of their structural node, so carries stay type-consistent. Custom
 derivative wrappers are re-wrapped with ``jax.custom_jvp``/``jax.custom_vjp`` whose rules call
 the *original* rule in float32, so ``jax.nn.relu``'s gradient at 0 or a user's backward pass
-keep being used. Equations holding other jaxprs keep their signature and are rewritten inside
-as separate programs.
+keep being used. Equations holding other jaxprs (``custom_linear_solve``'s ``matvec`` and
+``solve`` bodies, held in a named tuple) keep their signature and are rewritten inside as
+separate programs.
 """
 
 from __future__ import annotations
@@ -441,12 +442,7 @@ class Emitter:
         invals = [read(a, a.aval.dtype) for a in eqn.invars]
         if not self.painting.changed:
             return bind(eqn, invals, eqn.params)
-        params = {}
-        for key, value in eqn.params.items():
-            if type(value) is tuple:
-                params[key] = tuple(self._rewrite_same_signature(v) for v in value)
-            else:
-                params[key] = self._rewrite_same_signature(value)
+        params = {k: ho.map_held(v, self._rewrite_same_signature) for k, v in eqn.params.items()}
         return bind(eqn, invals, params)
 
     def _rewrite_same_signature(self, value: Any) -> Any:
@@ -521,17 +517,23 @@ class Emitter:
 
 
 #: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
-#: gradient), an expanding broadcast's a sum (a bias gradient). Differentiating the rewritten
-#: program (``jax.grad(rewrite(f))``) would accumulate them in half precision.
-TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim")
+#: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's
+#: whose operand broadcasts implicitly (a size-1 dimension: ``x @ w + b`` adds a ``[1, n]``
+#: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
+#: them in half precision.
+TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
 
 
 def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
-    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES or _const(rec, 0):
+    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES:
         return False
-    if eqn.primitive.name == "broadcast_in_dim":
-        return eqn.outvars[0].aval.size > eqn.invars[0].aval.size
-    return True
+    if eqn.primitive.name == "gather":
+        return not _const(rec, 0)
+    size = eqn.outvars[0].aval.size
+    return any(
+        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size < size
+        for i, a in enumerate(eqn.invars)
+    )
 
 
 def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:

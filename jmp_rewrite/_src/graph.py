@@ -17,7 +17,8 @@ propagation. The graph built here is therefore *flat*:
 * each ``cond`` output is a *clear* node (TF's Merge) fed by every branch;
 * each ``scan`` ``xs``/``ys`` stream is a *clear* node (TF's TensorList writer->reader edge);
 * a ``jit`` whose name is on a list (``jit:log_softmax``...) is one node: TF's fused op;
-* other equations holding jaxprs are opaque *unlisted* nodes, rewritten inside separately.
+* other equations holding jaxprs (``custom_linear_solve``, ``reduce``, ...) are opaque
+  *unlisted* nodes, rewritten inside separately, as programs of their own.
 
 Edges carry floating-point values only: TF's int/bool ports are separate vertices, so a deny
 op never taints float data through a comparison's boolean output.
@@ -115,6 +116,17 @@ def eqn_is_float32(eqn: Any) -> bool:
 def has_jaxpr_param(eqn: Any) -> bool:
     """Whether an equation holds a jaxpr in its params (directly or in a tuple)."""
     return bool(ho.held_jaxprs(eqn))
+
+
+def holds_allow_ops(eqn: Any, lists: Any) -> bool:
+    """Whether the jaxprs ``eqn`` holds (at any depth) contain a float32 allowlist op."""
+    for body in ho.held_jaxprs(eqn):
+        for inner in jc.open_jaxpr(body).eqns:
+            if lists.kind(op_key(inner, lists)) == "allow" and eqn_is_float32(inner):
+                return True
+            if holds_allow_ops(inner, lists):
+                return True
+    return False
 
 
 def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
@@ -231,6 +243,9 @@ class Graph:
         self.lists = lists
         self.nodes: list[Node] = []
         self._n_recs = 0
+        #: an opaque equation's bodies hold float32 allowlist ops: the program changes even
+        #: when no node of this graph is painted (those bodies are rewritten on their own).
+        self.opaque_allow = False
         self._backward = False  # while building: inside a backward pass (transposed)
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
@@ -355,6 +370,8 @@ class Graph:
                 )
                 n = self.nodes[node]
                 n.is_cast = name == "convert_element_type" and is_f32(eqn.params["new_dtype"])
+                if opaque and process and not self.opaque_allow:
+                    self.opaque_allow = holds_allow_ops(eqn, self.lists)
                 out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
             if out_origins is None:  # a leaf, opaque equation or fused unit

@@ -199,10 +199,19 @@ def jit_name(eqn: Any) -> str:
 
 
 def held_jaxprs(eqn: Any) -> list[Any]:
-    """Every jaxpr an equation holds in its params (directly or in a tuple)."""
+    """Every jaxpr an equation holds in its params (directly, or in a tuple or named tuple:
+    ``custom_linear_solve`` holds its ``matvec``/``vecmat``/``solve``/``transpose_solve``)."""
     found = []
     for value in eqn.params.values():
-        for v in value if type(value) is tuple else (value,):
+        for v in value if isinstance(value, tuple) else (value,):
             if jc.is_any_jaxpr(v):
                 found.append(v)
     return found
+
+
+def map_held(value: Any, fun: Callable[[Any], Any]) -> Any:
+    """A param value with ``fun`` applied to it, or to each item of a (named) tuple."""
+    if not isinstance(value, tuple):
+        return fun(value)
+    items = [fun(v) for v in value]
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)

@@ -80,6 +80,13 @@ JIT_UNIT_PREFIX = "jit:"
 # ---------------------------------------------------------------------------------------------
 # The tables. Each helper files keys under one category with a one-line reason; a key may be
 # filed only once. The classification per dtype lives in _FP16/_BF16; REASONS says why.
+#
+# A list entry's reason names its TF counterpart first ("TF MatMul/BatchMatMul: ...") or, for a
+# primitive TF has no op for, the TF op it behaves like ("no TF op: ..., like Sum"). The test
+# of these tables reads those names and checks the key's list in both dtypes against TF
+# 2.21's (float16: the CUDA lists; bfloat16: the oneDNN lists; tests/data holds them, as TF
+# ships them). Where jmp_rewrite departs from TF on purpose, _def_difference_from_tf says so,
+# with the reason; any other departure fails that test.
 # ---------------------------------------------------------------------------------------------
 
 _FP16: dict[str, str] = {}  # key -> kind, TF's CUDA fp16 lists (cuda >= 9.1, cudnn >= 8)
@@ -88,6 +95,7 @@ _REASONS: dict[str, str] = {}
 _FLOAT32_ONLY: dict[str, str] = {}
 _STRUCTURAL: dict[str, str] = {}
 _NON_FLOAT: dict[str, str] = {}
+_DIFFERENCES: dict[tuple[str, str], tuple[str, str]] = {}  # (key, dtype) -> (kind, why)
 
 
 def _file(table: dict[str, str], reason: str, keys: tuple[str, ...]) -> None:
@@ -136,6 +144,16 @@ def _def_non_float(reason: str, *keys: str) -> None:
     _file(_NON_FLOAT, reason, keys)
 
 
+def _def_difference_from_tf(dtypes: tuple[str, ...], kind: str, reason: str, *keys: str) -> None:
+    """Declares that ``keys`` are on list ``kind`` in ``dtypes`` on purpose, where TF 2.21 puts
+    their TF counterpart (the op their reason names) on another."""
+    assert reason, "every difference from TF needs a reason"
+    for key in keys:
+        for dtype in dtypes:
+            assert (key, dtype) not in _DIFFERENCES, f"{key!r} differs twice in {dtype}"
+            _DIFFERENCES[(key, dtype)] = (kind, reason)
+
+
 def _jit_units(*names: str) -> tuple[str, ...]:
     return tuple(JIT_UNIT_PREFIX + name for name in names)
 
@@ -148,7 +166,18 @@ _def_allow(
 )
 _def_allow("no TF op: grouped (MoE) matmul, a contraction like BatchMatMul", "ragged_dot_general")
 _def_allow(
-    "TF Mha/MhaV2: cuDNN fused attention (kept allow in bf16 too: it is a tensor-core op)",
+    "TF Mha/MhaV2: cuDNN fused attention",
+    "dot_product_attention_fwd",
+    "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+)
+
+_def_difference_from_tf(
+    ("bfloat16",),
+    "allow",
+    "TF's oneDNN bf16 lists have no Mha (a cuDNN op); a fused attention is a tensor-core op, "
+    "allow in bf16 as in fp16",
     "dot_product_attention_fwd",
     "dot_product_attention_bwd",
     "dot_product_attention_fwd_wrapper",
@@ -202,10 +231,12 @@ _def_deny("no TF op: 2**x overflows like Exp", "exp2")
 _def_deny("TF Expm1", "expm1")
 _def_deny("TF Pow (float exponent: x**0.5, jnp.power)", "pow")
 _def_deny(
-    "no TF op (TF Cumprod is unlisted): a running product accumulates like Prod/Exp",
+    "no TF op (TF Cumprod is unlisted): a running product overflows like Exp",
     "cumprod",
 )
-_def_deny("no TF op: running log-sum-exp contains exp and a sum", "cumlogsumexp")
+_def_deny(
+    "no TF op: a running log-sum-exp overflows like Exp (it holds exp and a sum)", "cumlogsumexp"
+)
 
 # --- depends on the dtype ----------------------------------------------------------------------
 # TF denies Pow in both lists. x**3 overflows float16 for |x| > 40, but bfloat16 has float32's
@@ -228,6 +259,15 @@ _def_lists(
     "infer in bf16",
     "polynomial",
 )
+_def_difference_from_tf(
+    ("bfloat16",),
+    "infer",
+    "TF Pow is deny; infer here: bfloat16 has float32's exponent range (TF's reason to make "
+    "Sum/Mean infer in bf16), and deny spread through the tanh-GELU kept its tanh float32 for "
+    "the backward pass: +2.25 GiB on GPT-2 small, +1.88 GiB on ViT-B/16 (H200)",
+    "integer_pow",
+    "polynomial",
+)
 # TF denies Sum/Mean on CUDA fp16 (a half accumulator overflows at 65504 and loses precision),
 # but the oneDNN bf16 list makes them infer: bfloat16 has float32's exponent range.
 _def_lists("deny", "infer", "TF Sum/Mean (+ div): deny in fp16, infer in bf16", "reduce_sum")
@@ -240,14 +280,15 @@ _def_lists(
 _def_lists(
     "deny",
     "infer",
-    "accumulates many updates like Sum (embedding/gather gradients; TF's are unlisted)",
+    "no TF op (TF's scatters are unlisted): accumulates many updates like Sum "
+    "(embedding/gather gradients)",
     "scatter-add",
     "scatter-sub",
 )
 _def_lists(
     "deny",
     "infer",
-    "cross-device sum, like Sum (TF collectives are unlisted)",
+    "no TF op (TF collectives are unlisted): a cross-device sum, like Sum",
     "psum",
     "psum_invariant",
     "reduce_scatter",
@@ -275,8 +316,11 @@ _def_clear("TF Select/SelectV2 (jnp.where)", "select_n")
 _def_clear("TF ClipByValue", "clamp")
 _def_clear("TF Maximum/Minimum/Relu/Relu6", "max", "min")
 # Equinox's own primitives, in the loops of diffrax, optimistix and lineax.
-_def_clear("Equinox: lax.select that ignores an unbatched predicate: TF Select", "select_if_vmap")
-_def_clear("Equinox: identity that refuses vmap: TF Identity", "nonbatchable")
+_def_clear(
+    "no TF op (Equinox): a lax.select that ignores an unbatched predicate, like SelectV2",
+    "select_if_vmap",
+)
+_def_clear("no TF op (Equinox): an identity that refuses vmap, like Identity", "nonbatchable")
 _def_clear("TF Max/Min reductions", "reduce_max", "reduce_min")
 _def_clear("TF ArgMax/ArgMin", "argmax", "argmin")
 _def_clear("TF MaxPool/MaxPool3D (and min pooling)", "reduce_window_max", "reduce_window_min")
@@ -297,7 +341,7 @@ _def_clear("TF IsFinite (IsInf/IsNan lower to eq/ne)", "is_finite")
 _def_clear("TF TopK/TopKV2 (sort/argsort compare only)", "sort", "top_k", "approx_top_k")
 _def_clear("no TF op: running max/min select values, like Max/Min", "cummax", "cummin")
 _def_clear(
-    "no TF op: scatter-max/min select values, like FastUnsortedSegmentMax",
+    "no TF op (TF's scatters are unlisted): scatter-max/min select values, like Maximum/Minimum",
     "scatter-max",
     "scatter-min",
 )
@@ -306,7 +350,7 @@ _def_clear("TF StopGradient/PreventGradient", "stop_gradient")
 _def_clear("TF IdentityN: an identity that only orders computation", "optimization_barrier")
 _def_clear("TF ZerosLike/OnesLike", "zeros_like")
 _def_clear(
-    "identity-like annotation (TF EnsureShape/Identity)",
+    "no TF op: an annotation that computes nothing, like EnsureShape/Identity",
     "sharding_constraint",
     "layout_constraint",
     "device_put",
@@ -314,18 +358,18 @@ _def_clear(
     "pvary",
     "pbroadcast",
 )
-_def_clear("identity that names a value for remat policies (checkpoint_name)", "name")
-_def_clear("identity that lifts a value into the trace", "stage")
-_def_clear("identity on its second operand (orders effects)", "tie")
+_def_clear("no TF op: names a value for remat policies (checkpoint_name), like Identity", "name")
+_def_clear("no TF op: lifts a value into the trace, like Identity", "stage")
+_def_clear("no TF op: an identity on its second operand (orders effects), like Identity", "tie")
 _def_clear(
-    "collective data movement, exact in any precision (like Gather/Concat)",
+    "no TF op: collective data movement, exact in any precision, like Gather/Concat",
     "all_gather",
     "all_gather_invariant",
     "all_to_all",
     "ragged_all_to_all",
     "ppermute",
 )
-_def_clear("cross-device Max/Min: selection, not accumulation", "pmax", "pmin")
+_def_clear("no TF op: cross-device max/min, selection like Max/Min", "pmax", "pmin")
 
 # --- float32 on purpose (on no list, carries floats) -------------------------------------------
 _def_float32_only(
@@ -466,7 +510,7 @@ _def_structural(
     "linear_call",
 )
 _def_structural(
-    "holds matvec/solve jaxprs; linear algebra, so its carries keep their dtype",
+    "holds matvec/solve jaxprs: opaque, its bodies rewritten as programs of their own",
     "custom_linear_solve",
 )
 _def_structural("control flow: branch outputs must agree in dtype", "cond")
@@ -521,26 +565,17 @@ _def_non_float("int32 pivots", "lu_pivots_to_permutation")
 #: Why each key of the default lists is where it is (TF counterpart, or the reason for a JAX
 #: primitive with none).
 REASONS: Mapping[str, str] = types.MappingProxyType(_REASONS)
-#: Deliberate differences from TF's lists, by ``(dtype, key)``: keys that stand for a TF op but
-#: sit on another list here, and why (TF's kind first). Every other key with a TF counterpart
-#: is where TF puts that op; keys with no TF op say so in :data:`REASONS`.
-DIFFERENCES_FROM_TF: Mapping[tuple[str, str], str] = types.MappingProxyType(
-    {
-        ("bfloat16", "integer_pow"): (
-            "TF Pow is deny; infer here: bfloat16 has float32's exponent range (TF's reason to "
-            "make Sum/Mean infer in bf16), and deny spread through the tanh-GELU kept its "
-            "tanh float32 for the backward pass: +2.25 GiB on GPT-2 small, +1.88 GiB on "
-            "ViT-B/16 (H200, 2026-11-26)"
-        ),
-        ("bfloat16", "polynomial"): "stands for TF Pow (x**3 of tanh-GELU): as integer_pow",
-    }
-)
 #: Primitives that carry floats and deliberately stay on no list, with the reason.
 FLOAT32_ONLY: Mapping[str, str] = types.MappingProxyType(_FLOAT32_ONLY)
 #: Higher-order/call primitives the painter sees through or handles structurally.
 STRUCTURAL: Mapping[str, str] = types.MappingProxyType(_STRUCTURAL)
 #: Primitives that never carry floats.
 NON_FLOAT: Mapping[str, str] = types.MappingProxyType(_NON_FLOAT)
+#: ``(key, dtype) -> (list, reason)`` where a default list departs on purpose from TF 2.21's
+#: list for the key's TF counterpart (the TF op its reason names).
+DIFFERENCES_FROM_TF: Mapping[tuple[str, str], tuple[str, str]] = types.MappingProxyType(
+    _DIFFERENCES
+)
 
 #: ``integer_pow`` exponents with their own key (everything else is ``integer_pow``: TF Pow).
 INTEGER_POW_KEYS: Mapping[int, str] = types.MappingProxyType({-1: "reciprocal", 2: "square"})

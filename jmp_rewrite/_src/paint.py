@@ -533,7 +533,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     release_saturated_powers(g, p)
     keep_highest_precision_float32(g, p)
     add_allowlist_ops(g, p, force_all)
-    if not p.allow:  # TF: "No allowlist ops found, nothing to do"
+    if not p.allow and not g.opaque_allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False
         return p
     if not force_all:
@@ -546,7 +546,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
-    if not any(g.nodes[n].float32 for n in p.allow):
+    if not any(g.nodes[n].float32 for n in p.allow) and not g.opaque_allow:
         p.changed = False
     return p
 

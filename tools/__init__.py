@@ -1,0 +1,1 @@
+"""Scripts the team runs by hand (not part of the library or of ``make test``)."""
