@@ -39,7 +39,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -70,27 +69,7 @@ def _training(train: Callable[..., Any]) -> Callable[[Any], dict[str, float]]:
 
 
 def _readme_recipe() -> Callable[[Any], dict[str, float]]:
-    tx = jmp_rewrite.loss_scale_optimizer(optax.adam(1e-3))
-
-    def loss(params, x, y, half=None):
-        c = (lambda a: a) if half is None else (lambda a: a.astype(half))
-        h = jax.nn.relu(c(x) @ c(params["w1"]))
-        logits = (h @ c(params["w2"])).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def train(params, opt_state, x, y, half=None):
-        def step(carry, _):
-            params, opt_state = carry
-            _, grads = jmp_rewrite.value_and_grad(loss)(opt_state, params, x, y, half)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), None
-
-        return jax.lax.scan(step, (params, opt_state), None, length=50)[0][0]
-
-    params = {"w1": t.f32(0, 64, 32, scale=0.1), "w2": t.f32(1, 32, 10, scale=0.1)}
-    x, y = t.f32(2, 32, 64), jnp.arange(32) % 10
-    state = tx.init(params)
+    train, (params, state, x, y) = t.readme_recipe_in_a_scan()
     ref = t._change(jax.jit(train)(params, state, x, y), params)
 
     def run(dtype: Any) -> dict[str, float]:

@@ -201,9 +201,9 @@ def test_item1_training_steps_in_a_loop(dtype, loop):
     assert len(body_dots) == 5 and all(e.half for e in body_dots)  # forward 2, backward 3
 
 
-def test_item1_readme_recipe_in_a_scan():
+def readme_recipe_in_a_scan() -> tuple[Any, tuple[Any, ...]]:
     """The README's step (loss_scale_optimizer, value_and_grad, apply_updates) over 50 steps
-    in ``lax.scan``: parameters, Adam's moments and the loss scale are carried float32."""
+    in ``lax.scan``: ``(train, (params, opt_state, x, y))``; ``train(..., half)`` by hand."""
     import optax
 
     tx = jmp_rewrite.loss_scale_optimizer(optax.adam(1e-3))
@@ -226,7 +226,12 @@ def test_item1_readme_recipe_in_a_scan():
 
     params = {"w1": f32(0, 64, 32, scale=0.1), "w2": f32(1, 32, 10, scale=0.1)}
     x, y = f32(2, 32, 64), jnp.arange(32) % 10
-    state = tx.init(params)
+    return train, (params, tx.init(params), x, y)
+
+
+def test_item1_readme_recipe_in_a_scan():
+    """Parameters, Adam's moments and the loss scale are carried float32."""
+    train, (params, state, x, y) = readme_recipe_in_a_scan()
     ref = jax.jit(train)(params, state, x, y)
     for dtype in (F16, BF16):
         got = jax.jit(jmp_rewrite.rewrite(train, dtype=dtype))(params, state, x, y)
