@@ -140,6 +140,30 @@ def test_adam_count_and_moments_do_not_advance_on_skipped_steps(jit, use_select)
 
 
 @pytest.mark.parametrize("jit", [False, True])
+def test_an_empty_leaf_is_checked_as_holding_nothing(jit):
+    """A zero-size leaf (a zero-width feature block) holds no non-finite value: steps apply
+    and skip as without it (the per-leaf check reshaped it to ``(-1, 0)``: a crash)."""
+    params = {"w": jnp.ones((4, 3)), "empty": jnp.ones((4, 0))}
+    tx = jr.loss_scale_optimizer(optax.sgd(1.0), jr.DynamicLossScale(initial_loss_scale=2.0))
+    update = maybe_jit(jit)(tx.update)
+    state = tx.init(params)
+    grads = {"w": jnp.full((4, 3), 2.0), "empty": jnp.ones((4, 0))}
+    updates, state = update(grads, state, params)
+    assert bool(state.last_step_applied)
+    np.testing.assert_array_equal(updates["w"], -jnp.ones((4, 3)))
+    assert updates["empty"].shape == (4, 0)
+    grads["w"] = grads["w"].at[0, 0].set(jnp.inf)
+    updates, state = update(grads, state, params)
+    assert not bool(state.last_step_applied) and float(state.loss_scale) == 1.0
+    np.testing.assert_array_equal(updates["w"], jnp.zeros((4, 3)))
+    for method in ("elementwise", "dot"):
+        n = count_non_finite(
+            jax.tree.leaves(grads), jnp.float32(1.0), scale_at_least_one=True, method=method
+        )
+        assert int(n) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
 def test_unscales_with_the_scale_in_force_not_the_grown_one(jit):
     tx = jr.loss_scale_optimizer(
         optax.sgd(1.0), jr.DynamicLossScale(initial_loss_scale=2.0, increment_period=1)

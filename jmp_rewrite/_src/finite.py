@@ -101,7 +101,7 @@ def count_non_finite(
     zero = jnp.where(inv_scale > 0, jnp.float32(0), jnp.float32(1))
     flags = []
     for g in leaves:
-        if not is_inexact(g):
+        if not is_inexact(g) or g.size == 0:  # an empty leaf holds nothing to check
             continue
         if use_dot and g.ndim >= 1 and g.dtype in (jnp.float32, jnp.float64):
             matrix = g.reshape(-1, g.shape[-1])
@@ -134,7 +134,7 @@ def any_non_finite_fused(leaves: list[Any], inv_scale: jax.Array, *, scaled: boo
     """
     by_dtype: dict[Any, list[Any]] = {}
     for g in leaves:
-        if is_inexact(g):
+        if is_inexact(g) and g.size:
             by_dtype.setdefault(jnp.dtype(g.dtype), []).append(g)
     finite = []
     for group in by_dtype.values():
