@@ -455,3 +455,41 @@ def test_a_running_average_between_two_matmuls_is_updated_in_float32(dtype, upda
     assert _rel(new, new32) < bound
     jaxpr = emitted(rewritten, w1, w2, s, x)
     assert [runs_in_half(e) for e in prims(jaxpr, "dot_general")] == [True, True]
+
+
+_KEEPS_FLOAT32 = {
+    "HIGHEST": lax.Precision.HIGHEST,
+    "highest": "highest",
+    "(HIGHEST, DEFAULT)": (lax.Precision.HIGHEST, lax.Precision.DEFAULT),
+    "F32_F32_F32": lax.DotAlgorithmPreset.F32_F32_F32,
+    "BF16_BF16_F32": lax.DotAlgorithmPreset.BF16_BF16_F32,
+}
+_PAINTED_BY_THE_LISTS = {
+    "None": None,
+    "DEFAULT": lax.Precision.DEFAULT,
+    "preset DEFAULT": lax.DotAlgorithmPreset.DEFAULT,
+}
+
+
+@HALF
+@pytest.mark.parametrize(
+    "precision,keeps",
+    [(v, True) for v in _KEEPS_FLOAT32.values()]
+    + [(v, False) for v in _PAINTED_BY_THE_LISTS.values()],
+    ids=[*_KEEPS_FLOAT32, *_PAINTED_BY_THE_LISTS],
+)
+def test_a_matmul_that_names_its_precision_or_algorithm_runs_as_written(dtype, precision, keeps):
+    """``precision=HIGHEST`` or an explicit dot algorithm is the caller's choice of operand
+    types: the matmul stays float32 (a preset was painted allow and ran in half before)."""
+    a, b = _rand(8, 8), _rand(8, 8)
+
+    def f(a, b):
+        return jnp.dot(a, b, precision=precision)
+
+    (dot,) = prims(emitted(jr.rewrite(f, dtype=dtype), a, b), "dot_general")
+    assert runs_in_half(dot) is not keeps
+    (painted,) = jr.paint(f, a, b, dtype=dtype).find("dot_general")
+    assert painted.half is not keeps
+    if keeps and not isinstance(precision, lax.DotAlgorithmPreset):  # presets: GPU only
+        for g in (jr.rewrite(f, dtype=dtype), jax.jit(jr.rewrite(f, dtype=dtype))):
+            np.testing.assert_array_equal(g(a, b), f(a, b))

@@ -44,6 +44,7 @@ from jmp_rewrite._src.origins import (
     Origin,
     leaf_origin,
     loop_result_origins,
+    recurrent_states,
     select_origin,
 )
 from jmp_rewrite._src.regions import in_float32_region
@@ -567,11 +568,13 @@ class Graph:
         what entered them (and an update of it when the body combined it with something
         else). Records each float carry's :class:`LoopState`."""
         out = loop_result_origins(states, outer, bout_origins)
+        cycles = recurrent_states(states, bout_origins)
         rows = zip(carries, states, bouts, out, bout_origins, strict=True)
         for node, state, src, o, o_out in rows:
             if node is not None:
                 self.nodes[node].origin = o
-                self.loop_states.append(LoopState(state, node, src, o_out, body))
+                cycle = cycles.get(state, frozenset())
+                self.loop_states.append(LoopState(state, node, src, o_out, body, cycle))
         return out
 
     def _body(self, layout, role, ins, path, region, unit, origins):

@@ -30,9 +30,10 @@ class Origin:
       copy_of: the program input this value is an exact copy of (through calls, loop carries
         passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
       derived: states (program inputs, then loop carries: see :class:`LoopState`) this value
-        is a *linear* elementwise function of: through additions, subtractions, negations,
-        casts, selections and products or quotients by values not derived from the same state
-        (``m * old``, ``-lr * g``, ``where(ok, new, old)``), all of the value's shape. A
+        is a *linear* function of: through additions, subtractions, negations, casts,
+        selections and products or quotients by values not derived from the same state
+        (``m * old``, ``-lr * g``, ``where(ok, new, old)``), and through data movement
+        (reshapes, transposes, slices, concatenations, scatters: ``ravel_pytree``). A
         nonlinear function (``tanh(old)``, ``old * old``) is not state handed on.
       updates: those of ``derived`` that an addition or subtraction has combined with
         something else on the way (``new = a * old + b * f(x)``: a state update); a clip of
@@ -59,6 +60,17 @@ _LINEAR = frozenset(
 
 #: Clips: the state they project stays state once updated (see ``leaf_origin``).
 _PROJECTIONS = ("max", "min", "clamp")
+#: Data movement: each element of the result is an element of a float operand (or a fill
+#: value), so the result is linear in every state its operands are, whatever the shapes:
+#: ``ravel_pytree``'s flat vector, an ODE state updated as ``y.T + dt * k.T`` or in slices
+#: (``dynamic_update_slice``, ``concatenate``). Placing a value is no update: a KV cache
+#: written with ``dynamic_update_slice`` is not state that accumulates (see ``LoopState``).
+_MOVES = frozenset(
+    {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "rev", "slice"}
+    | {"dynamic_slice", "dynamic_update_slice", "gather", "scatter", "concatenate", "pad", "split"}
+)
+#: ``operand.at[i].add(updates)``: an addition, placed.
+_SCATTER_COMBINES = frozenset({"scatter-add", "scatter_add", "scatter-sub", "scatter_sub"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +79,12 @@ class LoopState:
 
     The body reads the carry as a state (its id ``state`` in :attr:`Origin.derived`, after the
     program inputs' ids) and hands ``root`` back as its next value, of origin ``origin``.
-    When ``state`` is in ``origin.derived`` the carry is a recurrence linear in itself (an
-    accumulator, an ODE state, parameters trained in the loop): rounding it to half precision
-    every iteration would compound, so the painter keeps it float32 (see
-    ``paint.keep_state_updates_float32``).
+    When the body updates the carry from itself (``state`` in ``origin.updates``, directly or
+    through other carries: :func:`recurrent_states`), it is a recurrence (an accumulator, an
+    ODE state, parameters trained in the loop): rounding it to half precision every
+    iteration would compound, so the painter keeps it float32 (see
+    ``paint.keep_state_updates_float32``). A carry the body only places values into (a KV
+    cache) or hands on is no recurrence: each value is rounded once, as by hand.
 
     Attributes:
       state: the carry's state id.
@@ -78,6 +92,9 @@ class LoopState:
       root: the source node of the body's result for it (None: a literal or a non-node).
       origin: the origin of that result.
       body: the ids of the nodes of the loop's bodies.
+      recurrent: the body updates the carry from itself, through a cycle of its loop's
+        carries (see :func:`recurrent_states`).
+      cycle: the states of the carries on that cycle (with ``state``), empty if none.
     """
 
     state: int
@@ -85,13 +102,44 @@ class LoopState:
     root: int | None
     origin: Origin
     body: range
+    cycle: frozenset[int] = frozenset()
 
     @property
     def recurrent(self) -> bool:
-        """The body computes the carry's next value linearly from the carry itself."""
-        return (
-            self.root is not None and self.root != self.carry and self.state in self.origin.derived
-        )
+        return bool(self.cycle) and self.root is not None and self.root != self.carry
+
+
+def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[int, frozenset[int]]:
+    """The carries a loop's body updates from themselves, each with the states of its cycle.
+
+    Carry ``t``'s next value is linear in carry ``s`` when ``s`` is in its ``derived``, an
+    update of it when in its ``updates``. A carry is recurrent when it lies on a cycle of
+    such links with an update on it: ``y' = y + dt * k`` (a cycle of one), or a two-step
+    method's ``(a, b) -> (b, a + 2 h f(b))``, whose ``b`` is an update of ``a`` and ``a`` a
+    copy of ``b``: rounding either every iteration compounds.
+    """
+    local = [s for s in states if s is not None]
+    derived = {s: o.derived for s, o in zip(states, results, strict=True) if s is not None}
+    updates = {s: o.updates for s, o in zip(states, results, strict=True) if s is not None}
+    # reach[s]: the carries whose next value is linear in s, through any chain of carries
+    reach = {}
+    for s in local:
+        seen, todo = {s}, [s]
+        while todo:
+            u = todo.pop()
+            for t in local:
+                if u in derived[t] and t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        reach[s] = seen
+    cycles: dict[int, set[int]] = {}
+    for t in local:
+        for s in updates[t] & set(local):  # t's next value updates s; a cycle if t leads to s
+            if s in reach[t]:
+                on_cycle = {u for u in reach[t] if s in reach[u]}
+                for u in on_cycle:
+                    cycles.setdefault(u, set()).update(on_cycle)
+    return {s: frozenset(c) for s, c in cycles.items()}
 
 
 def select_origin(origins: list[Origin]) -> Origin:
@@ -121,6 +169,13 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
         updates = frozenset().union(*(o.updates for o in ins))
         return Origin(const=const, copy_of=copy_of, derived=updates, updates=updates)
+    if (name in _MOVES or name in _SCATTER_COMBINES) and eqn.outvars:
+        per = [o.derived for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
+        derived = frozenset().union(*per)
+        updates = frozenset().union(*(o.updates for o in ins)) & derived
+        if name in _SCATTER_COMBINES:
+            updates |= frozenset(j for j in derived if any(j not in d for d in per))
+        return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
     if name in _LINEAR and eqn.outvars:
         shape = getattr(eqn.outvars[0].aval, "shape", None)
         # per operand, the states it hands on (an operand of another shape: none)

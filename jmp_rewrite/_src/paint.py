@@ -103,8 +103,14 @@ def keep_output_copies_float32(g: Graph, p: Painting) -> None:
     _keep_float32(g, p, ids, "keep_output_copies_float32")
 
 
-def _asks_highest(eqn: object) -> bool:
+def _asks_float32(eqn: object) -> bool:
+    """``precision=HIGHEST``, or an explicit dot algorithm (``DotAlgorithmPreset.F32_F32_F32``,
+    a ``DotAlgorithm``): the caller chose the operand and accumulation types itself."""
     precision = getattr(eqn, "params", {}).get("precision")
+    if isinstance(precision, lax.DotAlgorithm):
+        return True
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return precision != lax.DotAlgorithmPreset.DEFAULT
     values = precision if isinstance(precision, tuple) else (precision,)
     return any(v == lax.Precision.HIGHEST for v in values if isinstance(v, lax.Precision))
 
@@ -116,10 +122,12 @@ def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
     caller's explicit request for float32 accuracy on every backend, as diffrax asks for it
     when it combines a Runge-Kutta method's stages with its Butcher tableau
     (``tensordot(a, ks, precision=HIGHEST)``). Painted allow, the tableau's coefficients
-    were rounded to half and the step lost the method's order. The default precision
-    (``None``) and lower ones are painted by the lists.
+    were rounded to half and the step lost the method's order. An explicit dot algorithm
+    (``precision=DotAlgorithmPreset.F32_F32_F32``, ``BF16_BF16_F32``, a ``DotAlgorithm``)
+    names the operand types itself: it runs as written too. The default precision
+    (``None``, ``DotAlgorithmPreset.DEFAULT``) and lower ones are painted by the lists.
     """
-    keep = [n.id for n in g.nodes if n.eqn is not None and n.process and _asks_highest(n.eqn)]
+    keep = [n.id for n in g.nodes if n.eqn is not None and n.process and _asks_float32(n.eqn)]
     _keep_float32(g, p, keep, "keep_highest_precision_float32")
 
 
@@ -132,13 +140,15 @@ _INCREMENT_KEYS = frozenset(
 )
 
 
-def _keep_state_chain(g: Graph, p: Painting, state: int, roots: list[int], own: int | None):
-    """Keeps float32 the chain carrying ``state`` to ``roots`` (nodes linear in it; ``own``:
-    the loop carry holding it) and the linear tail of what is added to it."""
+def _keep_state_chain(
+    g: Graph, p: Painting, states: frozenset[int], roots: list[int], owns: frozenset[int]
+):
+    """Keeps float32 the chain carrying ``states`` to ``roots`` (nodes linear in them;
+    ``owns``: the loop carries holding them) and the linear tail of what is added to them."""
 
     def in_chain(v: Node) -> bool:
-        linear = state in v.origin.derived and (v.eqn is not None or v.key in _STATE_VERTICES)
-        return v.id == own or linear
+        linear = bool(states & v.origin.derived) and (v.eqn is not None or v.key in _STATE_VERTICES)
+        return v.id in owns or linear
 
     chain = _walk_up(g, roots, in_chain)
     members = set(chain)
@@ -190,10 +200,12 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
-        _keep_state_chain(g, p, j, roots, None)
+        _keep_state_chain(g, p, frozenset({j}), roots, frozenset())
+    carries = {ls.state: ls.carry for ls in g.loop_states}
     for ls in g.loop_states:
         if ls.recurrent and g.nodes[ls.carry].float32:
-            _keep_state_chain(g, p, ls.state, [ls.root], ls.carry)
+            owns = frozenset(carries[s] for s in ls.cycle)
+            _keep_state_chain(g, p, ls.cycle, [ls.root], owns)
 
 
 _COMBINE_KEYS = ("add", "sub", "add_any")
