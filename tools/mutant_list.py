@@ -148,6 +148,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "    roots = []",
         T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
         "an input handed on to an output comes back rounded",
+        survives="equivalent since keep_float32_reads_unrounded (issue 15): a clear op that only "
+        "moves float32 values and is read by an output stays float32 anyway, so a copy of an "
+        "input reaches its output exact without this pass too (no reshape, transpose, slice, "
+        "jit, checkpoint or loop-carry passthrough found that differs, UNSAFE_FORCE_ALL "
+        "included); the pass states TF's fetch-node rule on its own and stays as its guard",
     ),
     _m(
         "paint.state_updates_not_kept",
@@ -635,5 +640,46 @@ MUTANTS: tuple[Mutant, ...] = (
         "        return zeros",
         T_LIBS + "test_skipped_step_leaves_parameters_and_optimizer_state_bit_identical",
         "[14.2] a skipped step adds +0.0: a parameter at -0.0 comes back as +0.0",
+    ),
+    _m(
+        "origins.moves_carry_no_state",
+        "origins.py",
+        "    if (name in _MOVES or name in _SCATTER_COMBINES) and eqn.outvars:",
+        "    if name in _SCATTER_COMBINES and eqn.outvars:",
+        T_LOOPS + "test_item1_state_updated_through_data_movement",
+        "a state updated through reshape/transpose/concatenate (ravel_pytree) is rounded in loops",
+    ),
+    _m(
+        "origins.no_cycles_through_other_carries",
+        "origins.py",
+        "            if s in reach[t]:",
+        "            if s == t:",
+        T_LOOPS + "test_item1_state_updated_through_another_carry",
+        "a two-step method's carries, each updating the other, are rounded every iteration",
+    ),
+    _m(
+        "origins.placement_is_a_recurrence",
+        "origins.py",
+        "        return bool(self.cycle) and self.root is not None and self.root != self.carry",
+        "        return self.root is not None and self.root != self.carry and self.state in "
+        "self.origin.derived",
+        T_LOOPS + "test_a_cache_written_by_placement_is_no_state_that_accumulates",
+        "a KV cache written with dynamic_update_slice is kept float32 as if it accumulated",
+    ),
+    _m(
+        "finite.empty_leaf_reshaped",
+        "finite.py",
+        "        if not is_inexact(g) or g.size == 0:  # an empty leaf holds nothing to check",
+        "        if not is_inexact(g):",
+        T_LSO + "test_an_empty_leaf_is_checked_as_holding_nothing",
+        "a zero-size gradient leaf crashes the per-leaf finiteness check",
+    ),
+    _m(
+        "paint.algorithm_presets_painted",
+        "paint.py",
+        "        return precision != lax.DotAlgorithmPreset.DEFAULT",
+        "        return False",
+        T_DTYPES + "test_a_matmul_that_names_its_precision_or_algorithm_runs_as_written",
+        "a matmul with precision=DotAlgorithmPreset.F32_F32_F32 is painted allow",
     ),
 )

@@ -73,6 +73,7 @@ BROAD: dict[str, tuple[str, ...]] = {
     "jmp_rewrite/_src/environment.py": _REWRITE_FILES,
     "jmp_rewrite/_src/loss_scale.py": _LOSS_SCALE_FILES,
     "jmp_rewrite/_src/loss_scale_optimizer.py": _LOSS_SCALE_FILES,
+    "jmp_rewrite/_src/finite.py": _LOSS_SCALE_FILES,
 }
 
 
