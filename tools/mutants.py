@@ -24,7 +24,7 @@ nonzero only when the script itself fails or a mutant is stale or in error.
 
 Usage (from the repository root; it is not part of ``make test``)::
 
-    .venv/bin/python tools/mutants.py                  # every mutant (~20 min on 2 cores)
+    .venv/bin/python tools/mutants.py                  # every mutant (~10 min on 2 cores)
     .venv/bin/python tools/mutants.py -j 2             # two at a time (two copies)
     .venv/bin/python tools/mutants.py -k 'loss_scale|emit'   # names matching a regex
     .venv/bin/python tools/mutants.py --list           # the mutants, nothing run
