@@ -640,3 +640,32 @@ def test_state_output_with_a_leading_axis_is_updated_in_float32(dtype):
     ref, hand = ema(s, enc, x), ema(s, enc, x, dtype)
     assert got.shape == s.shape and got.dtype == jnp.float32
     assert_not_worse(got - s, hand - s, ref - s, "EMA change")
+
+
+def _layer_stats(ws: jax.Array, means: jax.Array, x: jax.Array, half: Any = None) -> Any:
+    """A scan over layers, each with its running mean scanned in (``xs``) and its update
+    stacked out (``ys``), as a hand-rolled layer stack keeps per-layer statistics."""
+
+    def layer(h, wm):
+        w, m = wm
+        if half is None:
+            h = jnp.tanh(h @ w)
+        else:
+            h = jnp.tanh(h.astype(half) @ w.astype(half)).astype(jnp.float32)
+        return h, 0.99 * m + 0.01 * h.mean(0)
+
+    return jax.lax.scan(layer, x, (ws, means))
+
+
+@DTYPES
+def test_state_scanned_in_and_stacked_out_is_updated_in_float32(dtype):
+    """The stacked running means were 16.6% off float32 in bfloat16 (each layer's slice and
+    its update in half); by hand 0.003%."""
+    ws, x = f32(16, 4, 16, 16, scale=0.25), f32(17, 32, 16)
+    means = f32(18, 4, 16) + 10.0
+    got = jax.jit(jmp_rewrite.rewrite(_layer_stats, dtype=dtype))(ws, means, x)[1]
+    ref, hand = _layer_stats(ws, means, x)[1], _layer_stats(ws, means, x, dtype)[1]
+    assert got.dtype == jnp.float32
+    assert_not_worse(got - means, hand - means, ref - means, "running means")
+    dots = jmp_rewrite.paint(_layer_stats, ws, means, x, dtype=dtype).find("dot_general")
+    assert dots and all(e.half for e in dots)

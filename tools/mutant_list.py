@@ -682,4 +682,12 @@ MUTANTS: tuple[Mutant, ...] = (
         T_DTYPES + "test_a_matmul_that_names_its_precision_or_algorithm_runs_as_written",
         "a matmul with precision=DotAlgorithmPreset.F32_F32_F32 is painted allow",
     ),
+    _m(
+        "graph.scanned_state_is_no_state",
+        "graph.py",
+        '        x_in = [Origin(copy_of=o.copy_of, derived=o.derived, updates=o.updates) for o in orig["xs"]]',
+        '        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]',
+        T_LOOPS + "test_state_scanned_in_and_stacked_out_is_updated_in_float32",
+        "a per-layer running mean scanned in and stacked out is updated in half",
+    ),
 )

@@ -46,6 +46,7 @@ from jmp_rewrite._src.origins import (
     loop_result_origins,
     recurrent_states,
     select_origin,
+    stacked_origins,
 )
 from jmp_rewrite._src.regions import in_float32_region
 
@@ -524,8 +525,9 @@ class Graph:
         )
         x_avals = [v.aval for v in layout.inner().invars[nconst + ncarry :]]
         xnodes = self._structural("<xs>", f"{path}/xs", x_avals, process, unit)
-        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]  # a slice of a copy is one
-        self._copies(xnodes, x_in)
+        # a slice of a copy is one; of a state, linear in it
+        x_in = [Origin(copy_of=o.copy_of, derived=o.derived, updates=o.updates) for o in orig["xs"]]
+        self._set_origins(xnodes, x_in)
         self._link(carries, ops["carry"])
         self._link(xnodes, ops["xs"])
         carry_in, states = self._carry_states(carries, orig["carry"])
@@ -545,8 +547,8 @@ class Graph:
         carry_out = self._carry_origins(
             carries, states, orig["carry"], bouts[:ncarry], bout_origins[:ncarry], body
         )
-        ys_out = [Origin(copy_of=o.copy_of) for o in bout_origins[ncarry:]]  # stacked copies
-        self._copies(ynodes, ys_out)
+        ys_out = stacked_origins(states, orig["carry"], bout_origins[ncarry:])
+        self._set_origins(ynodes, ys_out)
         return carries + ynodes, rec, carry_out + ys_out
 
     def _carry_states(self, carries, outer):
@@ -602,7 +604,10 @@ class Graph:
         return nodes
 
     def _copies(self, nodes, origins):
-        """Structural nodes (loop consts, scan streams) hand their operand on unchanged."""
+        """Loop consts hand their operand on unchanged."""
+        self._set_origins(nodes, [Origin(copy_of=o.copy_of) for o in origins])
+
+    def _set_origins(self, nodes, origins):
         for node, o in zip(nodes, origins, strict=True):
             if node is not None:
-                self.nodes[node].origin = Origin(copy_of=o.copy_of)
+                self.nodes[node].origin = o

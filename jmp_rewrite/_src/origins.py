@@ -208,18 +208,41 @@ def loop_result_origins(
     linearly from the carries is linear in what entered them, and an update of it when the
     body combined it with something else (``y + dt * k`` is an update of ``y0``).
     """
-    local = {s for s in states if s is not None}
+    local = frozenset(s for s in states if s is not None)
     out = []
     for state, o_in, o_out in zip(states, outer, results, strict=True):
         if o_in.copy_of is not None and o_out.copy_of == o_in.copy_of:
             out.append(o_in)
         elif state is not None and state in o_out.derived:
-            derived, updates = o_out.derived - local, o_out.updates - local
-            for s, o_m in zip(states, outer, strict=True):
-                if s in o_out.derived:
-                    derived |= o_m.derived
-                    updates |= o_m.derived if s in o_out.updates else o_m.updates
-            out.append(Origin(derived=derived, updates=updates & derived))
+            out.append(_seen_from_outside(o_out, states, outer, local))
         else:
             out.append(NOWHERE)
     return out
+
+
+def stacked_origins(
+    states: list[int | None], outer: list[Origin], results: list[Origin]
+) -> list[Origin]:
+    """The origins of a scan's stacked outputs (``ys``), seen from outside, from the body's
+    ``results`` for them: a copy of what was scanned stays one, and a per-iteration update of
+    a scanned state (``xs``: a layer's running statistics in a scan over layers) is an update
+    of the stacked state."""
+    local = frozenset(s for s in states if s is not None)
+    out = []
+    for o_out in results:
+        o = _seen_from_outside(o_out, states, outer, local)
+        out.append(dataclasses.replace(o, copy_of=o_out.copy_of))
+    return out
+
+
+def _seen_from_outside(
+    o_out: Origin, states: list[int | None], outer: list[Origin], local: frozenset[int]
+) -> Origin:
+    """A body result's origin in terms of what entered the loop: linear in a carry is linear
+    in what entered that carry (and an update of it when the body combined it)."""
+    derived, updates = o_out.derived - local, o_out.updates - local
+    for s, o_m in zip(states, outer, strict=True):
+        if s in o_out.derived:
+            derived |= o_m.derived
+            updates |= o_m.derived if s in o_out.updates else o_m.updates
+    return Origin(derived=derived, updates=updates & derived)

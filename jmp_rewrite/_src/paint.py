@@ -132,8 +132,9 @@ def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
 
 
 #: Structural vertices a state chain runs through: an inner loop's result linear in the state,
-#: a ``cond`` choosing between new and old.
-_STATE_VERTICES = ("<carry>", "<cond-output>")
+#: a ``cond`` choosing between new and old, a scan's slices of a stacked state and the stacked
+#: updates (a scan over layers with each layer's running statistics).
+_STATE_VERTICES = ("<carry>", "<cond-output>", "<xs>", "<ys>")
 #: Keys of the increment's linear tail (``- lr * g``, ``dt / 6 * (k1 + 2 * k2 + ...)``).
 _INCREMENT_KEYS = frozenset(
     {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}
