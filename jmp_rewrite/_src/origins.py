@@ -92,9 +92,8 @@ class LoopState:
       root: the source node of the body's result for it (None: a literal or a non-node).
       origin: the origin of that result.
       body: the ids of the nodes of the loop's bodies.
-      recurrent: the body updates the carry from itself, through a cycle of its loop's
-        carries (see :func:`recurrent_states`).
-      cycle: the states of the carries on that cycle (with ``state``), empty if none.
+      cycle: the states of the carries on the cycle through which the body updates this
+        carry from itself (with ``state``; see :func:`recurrent_states`), empty if none.
     """
 
     state: int
@@ -122,13 +121,17 @@ def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[in
     derived = {s: o.derived for s, o in zip(states, results, strict=True) if s is not None}
     updates = {s: o.updates for s, o in zip(states, results, strict=True) if s is not None}
     # reach[s]: the carries whose next value is linear in s, through any chain of carries
+    succ: dict[int, list[int]] = {s: [] for s in local}
+    for t in local:
+        for s in derived[t]:
+            if s in succ:
+                succ[s].append(t)
     reach = {}
     for s in local:
         seen, todo = {s}, [s]
         while todo:
-            u = todo.pop()
-            for t in local:
-                if u in derived[t] and t not in seen:
+            for t in succ[todo.pop()]:
+                if t not in seen:
                     seen.add(t)
                     todo.append(t)
         reach[s] = seen
