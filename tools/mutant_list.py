@@ -254,8 +254,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "origins.sub_not_a_state_update",
         "origins.py",
-        '_COMBINES = ("add", "sub", "add_any")',
-        '_COMBINES = ("add", "add_any")',
+        'COMBINES = ("add", "sub", "add_any")',
+        'COMBINES = ("add", "add_any")',
         T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
         "new = old - lr * g (a plain SGD step) is not seen as a state update",
     ),
@@ -685,7 +685,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.scanned_state_is_no_state",
         "graph.py",
-        '        x_in = [Origin(copy_of=o.copy_of, derived=o.derived, updates=o.updates) for o in orig["xs"]]',
+        '        x_in = [dataclasses.replace(o, const=False) for o in orig["xs"]]',
         '        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]',
         T_LOOPS + "test_state_scanned_in_and_stacked_out_is_updated_in_float32",
         "a per-layer running mean scanned in and stacked out is updated in half",

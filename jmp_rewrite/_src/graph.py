@@ -525,8 +525,8 @@ class Graph:
         )
         x_avals = [v.aval for v in layout.inner().invars[nconst + ncarry :]]
         xnodes = self._structural("<xs>", f"{path}/xs", x_avals, process, unit)
-        # a slice of a copy is one; of a state, linear in it
-        x_in = [Origin(copy_of=o.copy_of, derived=o.derived, updates=o.updates) for o in orig["xs"]]
+        # a slice of a copy is one; of a state, linear in it; of a constant, no longer clamped
+        x_in = [dataclasses.replace(o, const=False) for o in orig["xs"]]
         self._set_origins(xnodes, x_in)
         self._link(carries, ops["carry"])
         self._link(xnodes, ops["xs"])

@@ -49,11 +49,11 @@ class Origin:
 NOWHERE = Origin()
 CONST = Origin(const=True)
 #: Primitives that combine an old value with a new one in a state update.
-_COMBINES = ("add", "sub", "add_any")
+COMBINES = ("add", "sub", "add_any")
 #: Elementwise primitives whose result is linear in each operand of its shape (a product or
 #: quotient only in an operand the other factor is not derived from: see ``Origin.derived``).
 _LINEAR = frozenset(
-    {*_COMBINES, "neg", "mul", "div", "select_n", "convert_element_type", "copy", "copy_p"}
+    {*COMBINES, "neg", "mul", "div", "select_n", "convert_element_type", "copy", "copy_p"}
     | {"reduce_precision", "select_if_vmap", "nonbatchable"}
 )
 
@@ -195,7 +195,7 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         else:
             derived = frozenset().union(*per)
         updates = frozenset().union(*(o.updates for o in ins)) & derived
-        if name in _COMBINES:
+        if name in COMBINES:
             # old + something else: every state of ``derived`` some operand lacks
             updates |= frozenset(j for j in derived if any(j not in d for d in per))
     return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)

@@ -18,6 +18,7 @@ from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import Graph, Node, is_f32
+from jmp_rewrite._src.origins import COMBINES
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
 
@@ -209,9 +210,6 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             _keep_state_chain(g, p, ls.cycle, [ls.root], owns)
 
 
-_COMBINE_KEYS = ("add", "sub", "add_any")
-
-
 def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
     """Loop carries painted half precision whose next value adds to them: carry id -> the
     nodes on the elementwise path from the carry through an addition to its next value.
@@ -233,7 +231,7 @@ def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...
 
         ahead = set(_dfs([ls.carry], _fanout, g.nodes, elementwise))
         path = [i for i in _dfs([ls.root], _fanin, g.nodes, elementwise) if i in ahead]
-        if any(g.nodes[i].key in _COMBINE_KEYS for i in path):
+        if any(g.nodes[i].key in COMBINES for i in path):
             found[ls.carry] = tuple(sorted(path))
     return found
 
