@@ -50,6 +50,7 @@ from jmp_rewrite._src.finite import (
     unscale,
 )
 from jmp_rewrite._src.loss_scale import DynamicLossScale, FixedLossScale, LossScale
+from jmp_rewrite._src.loss_scale_checks import check_state, refuse_nested
 from jmp_rewrite._src.loss_scale_state import (
     LossScaleOptimizerState,
     UnscaledGradientsWarning,
@@ -262,8 +263,10 @@ def _init(options: _Options, params: ArrayTree) -> LossScaleOptimizerState:
     if options.debug:
         n = len(jax.tree.leaves(params))
         debug = LossScaleDebugState(jnp.zeros([n], jnp.bool_), jnp.zeros([n], jnp.bool_))
+    inner_state = options.inner.init(_to_float32(params))
+    refuse_nested(inner_state)
     return LossScaleOptimizerState(
-        inner_state=options.inner.init(_to_float32(params)),
+        inner_state=inner_state,
         loss_scale=loss_scale,
         good_steps=good_steps,
         applied_steps=jnp.zeros([], jnp.int32),
@@ -287,16 +290,10 @@ def _update(
             "state of the optimizer it wraps (a checkpoint saved before wrapping). Wrap that "
             "state instead: state = tx.init(params)._replace(inner_state=old_state)"
         )
+    check_state(state, grads, params, inner_init=options.inner.init, debug=options.debug)
     rule = options.scale_rule
     loss_scale = jnp.asarray(state.loss_scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / loss_scale
-    if options.debug and len(jax.tree.leaves(grads)) != state.debug.leaf_has_nan.shape[0]:
-        raise ValueError(
-            f"the gradients have {len(jax.tree.leaves(grads))} leaves but the state was "
-            f"initialised for {state.debug.leaf_has_nan.shape[0]}; pass gradients with "
-            "the structure of the params given to init (debug=True cannot be used with an "
-            "inner optimizer whose params differ from its gradients, such as optax.lookahead)"
-        )
     # A fixed scale that never skips needs no finiteness check unless debugging asks for it.
     if rule.skips_non_finite or options.debug:
         finite, debug = check_finite(
