@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import optax.contrib
 import pytest
 
 import jmp_rewrite as jr
+from jmp_rewrite._src import loss_scale_state
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 
@@ -272,3 +275,58 @@ def test_dynamic_scale_backed_off_below_one_skips_a_gradient_that_overflows_only
     updates, state = update({"w": jnp.array([1.0, 2e38, 0.0])}, state, params)
     assert not bool(state.last_step_applied) and float(state.loss_scale) == 0.25
     assert bool(jnp.all(jnp.isfinite(optax.apply_updates(params, updates)["w"])))
+
+
+# --------------------------------------------------------------------------------------------
+# A skipped step changes nothing, bit for bit, whichever way it is chosen.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("use_select", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_skipped_step_keeps_a_negative_zero_parameter_with_select_or_cond(jit, use_select, dtype):
+    # -0.0 + (+0.0) is +0.0: a skipped step must add -0.0, with jnp.where as with lax.cond.
+    tx = lso(optax.sgd(0.1), use_select=use_select)
+    params = {"w": jnp.array([-0.0, 0.0, -1.5], dtype)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([1.0, jnp.inf, 2.0], dtype)}
+    updates, state = maybe_jit(jit)(tx.update)(grads, state, params)
+    assert not bool(state.last_step_applied)
+    new = optax.apply_updates(params, updates)["w"]
+    assert new.dtype == dtype
+    np.testing.assert_array_equal(np.signbit(np.asarray(new, np.float32)), [True, False, True])
+    np.testing.assert_array_equal(np.asarray(new, np.float32), [-0.0, 0.0, -1.5])
+
+
+# --------------------------------------------------------------------------------------------
+# A fixed scale of 1 scales nothing: jax.grad of the plain loss is right, and no warning.
+
+
+@pytest.fixture
+def fresh_unscaled_warning(monkeypatch):
+    monkeypatch.setattr(loss_scale_state, "_WARNED_UNSCALED", [False])
+
+
+@pytest.mark.usefixtures("fresh_unscaled_warning")
+@pytest.mark.parametrize("loss_scale", [1, jr.FixedLossScale(1.0, skip_non_finite=True)])
+def test_a_fixed_scale_of_one_does_not_warn_about_unscaled_gradients(loss_scale):
+    tx = lso(optax.sgd(0.5), loss_scale=loss_scale)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2))(params)  # no scale_loss: fine at 1
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params = {"w": jnp.array([1.0, -2.0])}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new, _ = step(params, tx.init(params))
+    assert [str(w.message) for w in caught] == []
+    np.testing.assert_array_equal(new["w"], [0.0, 0.0])  # w - 0.5 * 2w
+    # Any other scale does warn: the gradients would be divided by it.
+    other = lso(optax.sgd(0.5), loss_scale=2)
+    with pytest.warns(jr.UnscaledGradientsWarning):
+        jax.jit(lambda p, s: other.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(p), s, p))(
+            params, other.init(params)
+        )
