@@ -24,6 +24,9 @@ How it can be misused:
   stepped by hand, ``nnx.Optimizer.step``) still advance on skipped steps unless they are gated
   on :func:`last_step_applied`.
 * Wrap :class:`optax.MultiSteps`, do not put this inside it (see :func:`loss_scale_optimizer`).
+* One per optimizer: ``init`` refuses a loss-scale optimizer anywhere inside this one (it would
+  unscale a second time), and ``update`` refuses a state its ``init`` does not make
+  (:mod:`jmp_rewrite._src.loss_scale_checks`).
 
 References:
   Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018.
@@ -447,6 +450,9 @@ def loss_scale_optimizer(
       accumulator for good (optax 0.2.8) and every later window is skipped: avoid it.
     * ``optax.inject_hyperparams``, ``optax.named_chain``, ``flax.nnx.Optimizer`` and
       ``jax.jit``: supported; :func:`get_loss_scale` finds the state inside any of them.
+    * Another loss-scale optimizer inside ``opt`` (in a chain, ``multi_transform``,
+      ``MultiSteps``, any wrapper) would unscale the gradients a second time: ``init``
+      refuses it, naming where its state sits (TF refuses to wrap a ``LossScaleOptimizer``).
     * Sharding: under SPMD ``jax.jit`` with sharded gradients the finiteness check is a global
       reduction, so every device makes the same decision with no extra code. Inside
       ``shard_map`` or ``pmap`` pass ``axis_name`` (the axes the gradients are sharded or
@@ -474,7 +480,11 @@ def loss_scale_optimizer(
       TypeError: if ``opt`` is not an optax transformation, or ``loss_scale`` is of an
         unsupported type.
       ValueError: if ``opt`` is already a loss-scale optimizer, ``loss_scale`` is an unknown
-        string or a bad number, or ``axis_name``, ``use_select`` or ``debug`` is invalid.
+        string or a bad number, or ``axis_name``, ``use_select`` or ``debug`` is invalid;
+        (from ``init``) if ``opt`` contains a loss-scale optimizer; (from ``update``, when
+        traced) if the state is not one this ``init`` makes for these gradients: built with
+        the other ``debug``, by another inner optimizer, or for gradients of another
+        structure (a ``TypeError`` if it is no :class:`LossScaleOptimizerState` at all).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax
