@@ -333,3 +333,20 @@ def test_a_fixed_scale_of_one_does_not_warn_about_unscaled_gradients(loss_scale)
         jax.jit(lambda p, s: other.update(jax.grad(lambda p: jnp.sum(p["w"] ** 2))(p), s, p))(
             params, other.init(params)
         )
+
+
+def test_an_optimizer_built_inside_jit_leaks_no_tracer_through_the_state_checks():
+    # The checks remember the structure of each inner init's state; an init closing over a
+    # traced learning rate must not be kept past its trace.
+    params = {"w": jnp.ones(3)}
+
+    @jax.jit
+    def step(lr, params):
+        tx = lso(optax.inject_hyperparams(optax.sgd)(learning_rate=lr))
+        state = tx.init(params)
+        _, grads = jr.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state, params)
+        return tx.update(grads, state, params)[0]
+
+    with jax.checking_leaks():
+        for lr in (0.1, 0.2):
+            np.testing.assert_allclose(step(lr, params)["w"], [-2 * lr] * 3, rtol=1e-6)

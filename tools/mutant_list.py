@@ -750,6 +750,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_arguments.py::test_negative_static_argnums_on_varargs_make_the_right_argument_static",
         "[22] static_argnums=-1 on f(*args) makes no argument static",
     ),
+    _m(
+        "checks.init_structures_kept_strongly",
+        "loss_scale_checks.py",
+        "_INIT_STRUCTURES: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()",
+        "_INIT_STRUCTURES: dict[Any, dict[Any, Any]] = {}",
+        "tests/test_loss_scale_misuse.py::test_an_optimizer_built_inside_jit_leaks_no_tracer_through_the_state_checks",
+        "the state checks' cache keeps an init closing over a tracer: a leaked trace",
+    ),
     # ---- branch lso: planted without reading the tests (issue 22 item 4), missed before ----
     _m(
         "optimizer.dynamic_below_one_checks_scaled",

@@ -16,7 +16,7 @@ leaf counts, the shapes of the debug flags), all static under ``jax.jit``, so a 
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -65,19 +65,27 @@ def _aval_key(x: Any) -> tuple[Any, ...]:
     return tuple(jnp.shape(x)), dtype
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_init_structure(init: Callable[..., Any], treedef: Any, avals: tuple) -> Any:
-    like = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in avals])
-    return jax.tree.structure(jax.eval_shape(init, like))
+#: ``init`` -> {(structure, avals) of what it was given: structure of its state}. Weak keys:
+#: an ``init`` that closes over tracers (an optimizer built inside a traced function) must not
+#: outlive its trace here.
+_INIT_STRUCTURES: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
 
 def _init_structure(init: Callable[..., Any], like: ArrayTree) -> Any | None:
     """The structure of ``init(like)``'s state, traced, not run (``None`` if ``init`` does
-    not take ``like``, e.g. ``optax.lookahead`` given plain gradients)."""
+    not take ``like``, e.g. ``optax.lookahead`` given plain gradients). Each ``init`` is
+    traced once per structure, shapes and dtypes of ``like``."""
     try:
         leaves, treedef = jax.tree.flatten(like)
-        avals = tuple(_aval_key(x) for x in leaves)
-        return _cached_init_structure(init, treedef, avals)
+        key = treedef, tuple(_aval_key(x) for x in leaves)
+        try:
+            cache = _INIT_STRUCTURES.setdefault(init, {})
+        except TypeError:  # not weakly referenceable: no cache
+            cache = {}
+        if key not in cache:
+            avals = [jax.ShapeDtypeStruct(s, d) for s, d in key[1]]
+            cache[key] = jax.tree.structure(jax.eval_shape(init, treedef.unflatten(avals)))
+        return cache[key]
     except Exception:  # any failure only means "cannot tell": no check
         return None
 
