@@ -104,6 +104,47 @@ def test_static_argnums_beyond_the_parameters_are_fine_with_varargs():
     np.testing.assert_allclose(out, total(W, W, 2.0), rtol=5e-3, atol=5e-3)
 
 
+def stacked(*xs):
+    """``n`` layers of ``x @ w``: ``stacked(w, ..., n, x)`` (``n`` before the last argument)."""
+    *ws, n, x = xs
+    for _ in range(int(n)):  # a Python loop: ``n`` must be static
+        for w in ws:
+            x = jnp.tanh(x @ w)
+    return x
+
+
+def stacked_last(w, *rest):
+    """``stacked(w, x, n)`` with ``n`` last."""
+    x, n = rest
+    return stacked(w, n, x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "fun, static, args",
+    [
+        (stacked, -2, lambda n: (W, W, np.int32(n), X)),
+        (stacked, (-2,), lambda n: (W, np.int32(n), X)),
+        (stacked_last, -1, lambda n: (W, X, np.int32(n))),
+    ],
+)
+def test_negative_static_argnums_on_varargs_make_the_right_argument_static(fun, static, args, jit):
+    # A NumPy integer is an array leaf, traced unless declared static: int(n) then fails. The
+    # index counts from the end of each call's arguments, whatever their number.
+    f = jr.rewrite(fun, dtype=jnp.float16, static_argnums=static)
+    f = jax.jit(f, static_argnums=static) if jit else f
+    for n in (1, 3):
+        a = args(n)
+        out = f(*a)
+        assert out.dtype == F32
+        np.testing.assert_allclose(out, fun(*a), rtol=2e-2, atol=2e-2)
+        k = next(i for i, x in enumerate(a) if isinstance(x, np.integer))
+        dyn = [x for i, x in enumerate(a) if i != k]
+        jaxpr = jax.make_jaxpr(lambda *d, a=a, k=k: f(*d[:k], a[k], *d[k:]))(*dyn)
+        dots = prims(jaxpr, "dot_general")
+        assert len(dots) == n * (len(a) - 2) and all(runs_in_half(e) for e in dots)
+
+
 def test_bad_static_names_and_types():
     with pytest.raises(ValueError, match="'steps', which is not a parameter of blocks"):
         jr.rewrite(blocks, static_argnames="steps")

@@ -24,6 +24,9 @@ How it can be misused:
   stepped by hand, ``nnx.Optimizer.step``) still advance on skipped steps unless they are gated
   on :func:`last_step_applied`.
 * Wrap :class:`optax.MultiSteps`, do not put this inside it (see :func:`loss_scale_optimizer`).
+* One per optimizer: ``init`` refuses a loss-scale optimizer anywhere inside this one (it would
+  unscale a second time), and ``update`` refuses a state its ``init`` does not make
+  (:mod:`jmp_rewrite._src.loss_scale_checks`).
 
 References:
   Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018.
@@ -50,6 +53,7 @@ from jmp_rewrite._src.finite import (
     unscale,
 )
 from jmp_rewrite._src.loss_scale import DynamicLossScale, FixedLossScale, LossScale
+from jmp_rewrite._src.loss_scale_checks import check_state, refuse_nested
 from jmp_rewrite._src.loss_scale_state import (
     LossScaleOptimizerState,
     UnscaledGradientsWarning,
@@ -262,8 +266,10 @@ def _init(options: _Options, params: ArrayTree) -> LossScaleOptimizerState:
     if options.debug:
         n = len(jax.tree.leaves(params))
         debug = LossScaleDebugState(jnp.zeros([n], jnp.bool_), jnp.zeros([n], jnp.bool_))
+    inner_state = options.inner.init(_to_float32(params))
+    refuse_nested(inner_state)
     return LossScaleOptimizerState(
-        inner_state=options.inner.init(_to_float32(params)),
+        inner_state=inner_state,
         loss_scale=loss_scale,
         good_steps=good_steps,
         applied_steps=jnp.zeros([], jnp.int32),
@@ -287,16 +293,10 @@ def _update(
             "state of the optimizer it wraps (a checkpoint saved before wrapping). Wrap that "
             "state instead: state = tx.init(params)._replace(inner_state=old_state)"
         )
+    check_state(state, grads, params, inner_init=options.inner.init, debug=options.debug)
     rule = options.scale_rule
     loss_scale = jnp.asarray(state.loss_scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / loss_scale
-    if options.debug and len(jax.tree.leaves(grads)) != state.debug.leaf_has_nan.shape[0]:
-        raise ValueError(
-            f"the gradients have {len(jax.tree.leaves(grads))} leaves but the state was "
-            f"initialised for {state.debug.leaf_has_nan.shape[0]}; pass gradients with "
-            "the structure of the params given to init (debug=True cannot be used with an "
-            "inner optimizer whose params differ from its gradients, such as optax.lookahead)"
-        )
     # A fixed scale that never skips needs no finiteness check unless debugging asks for it.
     if rule.skips_non_finite or options.debug:
         finite, debug = check_finite(
@@ -450,6 +450,9 @@ def loss_scale_optimizer(
       accumulator for good (optax 0.2.8) and every later window is skipped: avoid it.
     * ``optax.inject_hyperparams``, ``optax.named_chain``, ``flax.nnx.Optimizer`` and
       ``jax.jit``: supported; :func:`get_loss_scale` finds the state inside any of them.
+    * Another loss-scale optimizer inside ``opt`` (in a chain, ``multi_transform``,
+      ``MultiSteps``, any wrapper) would unscale the gradients a second time: ``init``
+      refuses it, naming where its state sits (TF refuses to wrap a ``LossScaleOptimizer``).
     * Sharding: under SPMD ``jax.jit`` with sharded gradients the finiteness check is a global
       reduction, so every device makes the same decision with no extra code. Inside
       ``shard_map`` or ``pmap`` pass ``axis_name`` (the axes the gradients are sharded or
@@ -477,7 +480,11 @@ def loss_scale_optimizer(
       TypeError: if ``opt`` is not an optax transformation, or ``loss_scale`` is of an
         unsupported type.
       ValueError: if ``opt`` is already a loss-scale optimizer, ``loss_scale`` is an unknown
-        string or a bad number, or ``axis_name``, ``use_select`` or ``debug`` is invalid.
+        string or a bad number, or ``axis_name``, ``use_select`` or ``debug`` is invalid;
+        (from ``init``) if ``opt`` contains a loss-scale optimizer; (from ``update``, when
+        traced) if the state is not one this ``init`` makes for these gradients: built with
+        the other ``debug``, by another inner optimizer, or for gradients of another
+        structure (a ``TypeError`` if it is no :class:`LossScaleOptimizerState` at all).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax

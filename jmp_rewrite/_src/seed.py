@@ -58,7 +58,9 @@ def enable_mixed_precision_graph_rewrite(
     Raises:
       TypeError: if ``opt`` is not an optax transformation, or an option is unknown.
       ValueError: if ``opt`` already is a loss-scale optimizer (TF refuses to wrap a
-        ``LossScaleOptimizer`` twice), or ``loss_scale``/an option value is invalid.
+        ``LossScaleOptimizer`` twice), or ``loss_scale``/an option value is invalid. An
+        ``opt`` that only contains one (``optax.chain(clip, loss_scale_optimizer(adam))``)
+        is refused by the returned optimizer's ``init``, which alone sees its state.
 
     Example:
       >>> import jax.numpy as jnp, optax
