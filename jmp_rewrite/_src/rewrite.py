@@ -499,6 +499,7 @@ def paint_program(
     infer_follows_allow: bool = True,
     static_argnums: Any = None,
     static_argnames: Any = None,
+    fp8: Any = False,
     **kwargs: Any,
 ) -> PaintResult:
     """Paints ``fun`` at these arguments with TF's passes, without running it.
@@ -512,6 +513,7 @@ def paint_program(
       infer_follows_allow: as in :func:`rewrite`.
       static_argnums: as in :func:`rewrite`.
       static_argnames: as in :func:`rewrite`.
+      fp8: as in :func:`rewrite` (float8 matmuls show in ``EquationPaint.float8``).
       **kwargs: example keyword arguments.
 
     Returns:
@@ -539,6 +541,7 @@ def paint_program(
         infer_follows_allow=infer_follows_allow,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
+        fp8=fp8,
     )
     entry, _ = fn.trace(*args, **kwargs)
     return paint_result(entry.graph, entry.painting, entry.config)
