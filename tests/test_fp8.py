@@ -50,6 +50,16 @@ def test_quantize_saturates_and_scales_to_the_range(dtype):
     assert np.all(np.isfinite(np.asarray(q2.astype(jnp.float32))))
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("amax", [1e-44, 1e-39, 1e-30])
+def test_tiny_operands_do_not_turn_into_nan(dtype, amax):
+    x = jnp.array([amax, -amax / 2, 0.0], jnp.float32)
+    q, s = fp8.quantize(x, dtype)
+    back = np.asarray(q.astype(jnp.float32) * s)
+    assert np.all(np.isfinite(back)) and float(s) > 0
+    np.testing.assert_allclose(back, np.asarray(x), atol=float(jnp.finfo(jnp.float32).tiny))
+
+
 @pytest.mark.parametrize("dtype, bits", [(E4M3, 3), (E5M2, 2)])
 def test_quantize_round_trip_error_is_the_formats(dtype, bits):
     x = jax.random.normal(_keys(1)[0], (4096,)) * 3
@@ -147,7 +157,9 @@ def test_cuda_lowering_uses_the_float8_presets_and_cpu_does_not():
     algos = re.findall(r"allow_imprecise_accumulation = (true|false)", cuda)
     # forward with fast accumulation, the two gradient GEMMs without
     assert sorted(algos) == ["false", "false", "true"]
-    assert "f8E5M2" in cuda
+    # the gradient GEMMs take the cotangent (their lhs) in e5m2, the operand in e4m3
+    lhs = re.findall(r"lhs_precision_type = (\w+), rhs_precision_type = (\w+)", cuda)
+    assert sorted(lhs) == [("f8E4M3FN", "f8E4M3FN")] + [("f8E5M2", "f8E4M3FN")] * 2
     cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
     assert "algorithm" not in cpu and "f8E4M3FN" in cpu
 
@@ -222,6 +234,22 @@ def test_bad_rules_are_errors():
         jmp_rewrite.Fp8Rules(include="layer0")
     with pytest.raises(ValueError, match="min_dim must be a positive int"):
         jmp_rewrite.Fp8Rules(min_dim=0)
+
+
+def test_one_hot_embeddings_stay_out():
+    params = _mlp_params([256, 512, 512, 256])
+
+    def f(params, tokens):
+        x = jax.nn.one_hot(tokens, 256) @ params[0]  # an embedding as a matmul
+        x = jnp.tanh(x @ params[1])
+        return jnp.mean(x @ params[2])
+
+    tokens = jnp.arange(256) % 7
+    rules = jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False)
+    r = jmp_rewrite.explain(f, params, tokens, dtype=BF16, fp8=rules)
+    dots = [e for e in r.equations if e.primitive == "dot_general"]
+    assert [e.float8 for e in dots] == ["", "e4m3 x e4m3", "e4m3 x e4m3"]
+    assert "embedding" in dots[0].float8_left
 
 
 def test_float32_regions_and_attention_products_stay_out():

@@ -366,7 +366,10 @@ def quantize(x: Any, dtype: Any) -> tuple[Any, Any]:
     fmax = float(jnp.finfo(dtype).max)
     x32 = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x32))
-    scale = jnp.where(amax == 0, jnp.float32(1), amax / fmax)
+    # At least float32's smallest normal: a subnormal amax would give a scale of 0 (inf, then
+    # NaN, once divided by); values that small round to zero in float8 anyway.
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    scale = jnp.where(amax == 0, jnp.float32(1), jnp.maximum(amax / fmax, tiny))
     q = jnp.clip(x32 / scale, -fmax, fmax).astype(dtype)
     return q, scale
 
