@@ -65,16 +65,16 @@ FORWARD_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
 BACKWARD_PRESET = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
 
 #: The smallest M, N and K of a float8 GEMM, by default. Roofline of an H200 (989 TFLOP/s
-#: bf16, 1979 float8, 4.8 TB/s): a GEMM with M tokens and N = K = d reads ~2Md bytes and
-#: does 2Md^2 FLOPs, so below d ~ 206 (989e12 / 4.8e12) even its bf16 form is bound by
-#: memory, and float8 saves at most the operands' bytes while adding the amax pass and the
-#: quantizing copy of each. From d = 256 the bf16 GEMM is compute-bound and the float8 one
-#: halves its time; the quantization (one read of each bf16 operand and a one-byte write,
-#: fused by XLA into the producer where it can) costs about 3 bytes per operand element,
-#: which the halved GEMM time repays from d of about 600 when nothing fuses (the cost model
-#: of fp8-xla-gpu-facts-2026-11-26: 1.03-1.15x at d = 768, 1.15-1.30x at d = 4096). 256 is
-#: the lowest size at which float8 can win; raise ``min_dim`` for models whose quantizing
-#: copies do not fuse.
+#: bf16, 1979 float8, 4.8 TB/s; ridge points 206 and 412 FLOP/byte) for a GEMM of M tokens
+#: and N = K = d: 2Md^2 FLOPs; bf16 moves ~4Md bytes (operand and result), float8 ~3Md (a
+#: one-byte operand, a bf16 result). bf16 is compute-bound from d ~ 412, float8 from d ~ 618;
+#: in between float8 saves a quarter of the bytes, below d ~ 256 hardly anything. Current
+#: scaling adds, per operand element, an amax read and a quantizing copy (~3 bytes when XLA
+#: fuses the amax into the producer, ~5 when nothing fuses), which the halved GEMM time
+#: repays from d ~ 600 (~1000 unfused). 256 is thus the lowest size at which float8 can win
+#: (when the quantization fuses into the producer); raise ``min_dim`` for models where it
+#: does not. The measurements' cost model gives 1.03-1.15x at d = 768, 1.15-1.30x at 4096
+#: (shared/measurements/fp8-xla-gpu-facts-2026-11-26.md; not measured on a card).
 MIN_DIM = 256
 #: XLA pads float8 GEMM dimensions to multiples of 16 (a copy of the operand) otherwise.
 MULTIPLE = 16
