@@ -12,7 +12,7 @@ its own environment, ``.venv-gpu`` (made by ``make gpu-memory``; never part of `
 No GPU, driver or CUDA toolkit is used: ``CUDA_VISIBLE_DEVICES=-1``, ``JAX_PLATFORMS=cpu``.
 
 Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
-``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``; see ``gpu_speedup.py``):
+``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``, ``rw-fp8``; see ``gpu_speedup.py``):
 
 * ``peak``: arguments + outputs - aliased (donated) + temporaries, the figure ``gpu_speedup.py``
   reports on the card, and ``temp`` alone;
@@ -23,7 +23,11 @@ Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
   ops in the optimised HLO, fused or not); per model, the kernels loss scaling adds
   (``rw-f16-lso`` over ``rw-f16``, Flax's ``hand-f16-dynscale`` over ``hand-f16``);
 * ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
-  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
+  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``,
+  ``rw-fp8`` / ``hand-bf16``);
+* ``float8_gemms``: cuBLASLt float8 GEMM calls (``__cublas$lt$matmul$f8``) and
+  ``float8_triton_fusions``: Triton GEMM fusions fed float8 operands (``rw-fp8``: the former
+  should count every float8 matmul, the latter none).
 
 ``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
 not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles
