@@ -453,6 +453,9 @@ def build_model(key: str, args: argparse.Namespace, batch: int | None = None):
         sizes = {"batch": getattr(args, f"{key}_batch")}
         if key == "gpt":
             sizes["seq"] = args.gpt_seq
+            # a wider transformer (issue 23: float8 pays from d ~ 2048)
+            sizes.update(layers=args.gpt_layers, d_model=args.gpt_width)
+            sizes["heads"] = args.gpt_width // 64
     if batch is not None:
         sizes["batch"] = batch
     return _gpu_models.BUILDERS[key](**sizes)
@@ -510,6 +513,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--gpt-batch", type=int, default=None, help="default 16 on cards under 100 GiB, else 32"
     )
     parser.add_argument("--gpt-seq", type=int, default=1024)
+    parser.add_argument(
+        "--gpt-width", type=int, default=768, help="GPT's d_model (heads: d / 64; default 768)"
+    )
+    parser.add_argument("--gpt-layers", type=int, default=12, help="GPT's layers (default 12)")
     parser.add_argument("--resnet50-batch", type=int, default=128)
     parser.add_argument("--vit-batch", type=int, default=128)
     args = parser.parse_args(argv)
