@@ -176,13 +176,12 @@ class Fp8Selection:
 
     Attributes:
       dots: node id -> :class:`Fp8Dot` for the matmuls run in float8.
-      left: node id -> why a half-precision matmul stays bfloat16 (a sentence).
-      shape_only: the node ids of ``left`` kept bfloat16 only because of their shape.
+      left: node id -> why a half-precision matmul stays bfloat16 (a sentence; ``shape:
+        ...`` when only its shape kept it).
     """
 
     dots: dict[int, Fp8Dot] = dataclasses.field(default_factory=dict)
     left: dict[int, str] = dataclasses.field(default_factory=dict)
-    shape_only: set[int] = dataclasses.field(default_factory=set)
 
 
 def gemm_dims(eqn: Any) -> tuple[int, int, int]:
@@ -296,8 +295,6 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
                 reason = "the first weight GEMM (the input layer) stays bfloat16"
             elif rules.keep_last and d.node == last:
                 reason = "the last weight GEMM (the output head) stays bfloat16"
-            elif reason:
-                sel.shape_only.add(d.node)
         elif any(map(_one_hot, d.producers)):
             reason = "an embedding (one-hot matmul) stays bfloat16"
         else:
@@ -310,8 +307,6 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
             reason = ""
         if reason:
             sel.left[d.node] = reason
-            if d.node not in sel.shape_only or exc:
-                sel.shape_only.discard(d.node)
         else:
             sel.dots[d.node] = Fp8Dot((E4M3, E4M3), True, source_info.FORWARD)
     # rewrite(grad(f)): the gradient GEMMs of the selected forward ones, paired through the
