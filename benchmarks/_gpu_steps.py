@@ -33,6 +33,7 @@ class Variant:
     precision: str | None = None  # jax.default_matmul_precision while tracing
     cuda_lists: bool = False  # bf16 with TF's CUDA (float16) lists instead of oneDNN's
     flax_dynamic_scale: bool = False  # flax.training.dynamic_scale.DynamicScale + jnp.where
+    fp8: bool = False  # rewrite(..., fp8=True): the blocks' weight GEMMs in float8
 
     @property
     def tf32(self) -> bool | None:
@@ -57,6 +58,8 @@ VARIANTS = {
         Variant("rw-f16", rewrite_dtype=jnp.float16),
         Variant("hand-f16", hand_dtype=jnp.float16),
         Variant("hand-f16-dynscale", hand_dtype=jnp.float16, flax_dynamic_scale=True),
+        # Issue 23: float8 weight GEMMs (cuBLASLt float8 on Hopper; emulated elsewhere).
+        Variant("rw-fp8", rewrite_dtype=jnp.bfloat16, fp8=True),
     )
 }
 #: What runs without ``--variants`` (``f32-tf32`` only with ``--tf32``).
@@ -105,7 +108,7 @@ def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
 
     if variant.rewrite_dtype is not None:
         lists = jmp_rewrite.default_lists(jnp.float16) if variant.cuda_lists else None
-        step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists)
+        step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists, fp8=variant.fp8)
     return tx, step
 
 

@@ -12,7 +12,7 @@ its own environment, ``.venv-gpu`` (made by ``make gpu-memory``; never part of `
 No GPU, driver or CUDA toolkit is used: ``CUDA_VISIBLE_DEVICES=-1``, ``JAX_PLATFORMS=cpu``.
 
 Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
-``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``; see ``gpu_speedup.py``):
+``rw-f16-lso``, ``hand-f16``, ``hand-f16-dynscale``, ``rw-fp8``; see ``gpu_speedup.py``):
 
 * ``peak``: arguments + outputs - aliased (donated) + temporaries, the figure ``gpu_speedup.py``
   reports on the card, and ``temp`` alone;
@@ -23,7 +23,11 @@ Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
   ops in the optimised HLO, fused or not); per model, the kernels loss scaling adds
   (``rw-f16-lso`` over ``rw-f16``, Flax's ``hand-f16-dynscale`` over ``hand-f16``);
 * ``rw/hand``: peak of each rewritten variant over its hand-written counterpart (``rw-bf16`` /
-  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``).
+  ``hand-bf16``, ``rw-f16`` / ``hand-f16``, ``rw-f16-lso`` / ``hand-f16-dynscale``,
+  ``rw-fp8`` / ``hand-bf16``);
+* ``float8_gemms``: cuBLASLt float8 GEMM calls (``__cublas$lt$matmul$f8``) and
+  ``float8_triton_fusions``: Triton GEMM fusions fed float8 operands (``rw-fp8``: the former
+  should count every float8 matmul, the latter none).
 
 ``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
 not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles
@@ -105,9 +109,18 @@ TARGETS = {
 BY_DTYPE = {
     "bf16": ("rw-bf16", "hand-bf16"),
     "f16": ("rw-f16", "rw-f16-lso", "hand-f16", "hand-f16-dynscale"),
+    "fp8": ("rw-fp8",),
 }
 #: Rewritten variant -> its hand-written counterpart.
-PAIRS = {"rw-bf16": "hand-bf16", "rw-f16": "hand-f16", "rw-f16-lso": "hand-f16-dynscale"}
+PAIRS = {
+    "rw-bf16": "hand-bf16",
+    "rw-f16": "hand-f16",
+    "rw-f16-lso": "hand-f16-dynscale",
+    "rw-fp8": "hand-bf16",
+}
+#: cuBLASLt's float8 GEMM in optimised XLA:GPU HLO; a Triton GEMM fusion fed float8 operands.
+_F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
+_F8_TRITON = re.compile(r"^.*\bfusion\(.*\bf8e\w*\[.*__triton_gemm.*$", re.MULTILINE)
 #: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
 FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
 
@@ -186,6 +199,8 @@ def hlo_stats(text: str) -> dict[str, int]:
 
     stats = walk(entry) if entry else {}
     stats["converts"] = len(re.findall(r"\bconvert\(", text))
+    stats["float8_gemms"] = len(_F8_GEMM.findall(text))
+    stats["float8_triton_fusions"] = len(_F8_TRITON.findall(text))
     return stats
 
 
@@ -319,6 +334,13 @@ def print_table(result: dict[str, Any]) -> None:
                     f"| {_fmt(None if moved is None else moved / 1e9, '.2f')} |"
                 )
             print(line)
+    for m in result["models"].values():
+        for key, r in m["variants"].items():
+            if r.get("float8_gemms") or r.get("float8_triton_fusions"):
+                print(
+                    f"{m['key']} {key}: {r['float8_gemms']} cuBLASLt float8 GEMMs, "
+                    f"{r['float8_triton_fusions']} Triton GEMM fusions with float8 operands"
+                )
     for m in result["models"].values():
         for name, n in m.get("loss_scaling_kernels", {}).items():
             was = m.get("before", {}).get("loss_scaling_kernels", {}).get(name)

@@ -31,7 +31,9 @@ Variants (in this order of priority: with a short budget the later passes are sk
 * ``rw-f16-lso``: ``rewrite(dtype=float16)`` with ``loss_scale_optimizer`` (``lax.cond``);
 * ``rw-f16-lso-select``: the same with ``loss_scale_optimizer(use_select=True)``;
 * ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``;
-* only when named with ``--variants``: ``rw-f16`` (``rewrite(dtype=float16)``, no loss
+* only when named with ``--variants``: ``rw-fp8`` (``rewrite(dtype=bfloat16, fp8=True)``:
+  the blocks' weight GEMMs in float8, ``float8_matmuls`` and ``float8_flops_share`` count
+  them), ``rw-f16`` (``rewrite(dtype=float16)``, no loss
   scaling), ``hand-f16`` (Flax's ``dtype=jnp.float16``) and ``hand-f16-dynscale`` (that model
   with ``flax.training.dynamic_scale.DynamicScale`` and ``jnp.where`` on the new parameters
   and optimizer state, as Flax's ImageNet example trains in float16).
@@ -112,6 +114,7 @@ SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_exp
 PASSES = (
     ("f32", "rw-bf16", "hand-bf16"),
     ("rw-f16-lso",),
+    ("rw-fp8",),
     ("rw-bf16-cuda-lists",),
     ("rw-f16-lso-select",),
     ("f32-tf32",),
@@ -147,37 +150,71 @@ def _matmul_flops(eqn: Any) -> int:
     return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)
 
 
+def _is_float8(dtype: Any) -> bool:
+    return "float8" in str(dtype)
+
+
+def _float8_dot_in(jaxpr: Any) -> bool:
+    return any(
+        e.primitive.name in MATMULS and any(_is_float8(v.aval.dtype) for v in e.invars)
+        for e in jaxpr.eqns
+    )
+
+
 def matmul_structure(jaxpr: Any) -> dict[str, Any]:
     """Matmul/conv equations and FLOPs of a traced step, and how many run in half precision.
 
     Equations inside a ``jmp_rewrite.float32_region`` (the loss-scale optimizer's finiteness
     check has a few float32 matrix-vector products) are counted apart, as ``region_matmuls``:
-    they are the optimizer's, not the model's, and stay float32 by design.
+    they are the optimizer's, not the model's, and stay float32 by design. With ``fp8=True``
+    a float8 matmul is a ``lax.platform_dependent`` choice between the float8 GEMM (CUDA) and
+    its emulation (float32 operands): counted once, as the float8 GEMM (``float8_matmuls``;
+    float8 counts as half precision in ``half_matmuls``).
     """
     counts = dict.fromkeys(
-        ("matmuls", "half_matmuls", "matmul_flops", "half_matmul_flops", "region_matmuls"), 0
+        (
+            "matmuls",
+            "half_matmuls",
+            "matmul_flops",
+            "half_matmul_flops",
+            "region_matmuls",
+            "float8_matmuls",
+            "float8_matmul_flops",
+        ),
+        0,
     )
     top = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
-    stack = [(top, False)]
+    stack = [(top, False, False)]
     while stack:
-        scope, outer_region = stack.pop()
+        scope, outer_region, emulation = stack.pop()
         for eqn in scope.eqns:
             # Name stacks inside sub-jaxprs are relative: a region's flag is inherited.
             region = outer_region or REGION in str(eqn.source_info.name_stack)
-            stack.extend((sub, region) for sub in _sub_jaxprs(eqn))
+            subs = _sub_jaxprs(eqn)
+            # the branches of a float8 GEMM's platform_dependent: the emulation is not counted
+            choice = eqn.primitive.name == "cond" and any(map(_float8_dot_in, subs))
+            stack.extend((sub, region, choice or emulation) for sub in subs)
             if eqn.primitive.name not in MATMULS:
                 continue
             if region:
                 counts["region_matmuls"] += 1
                 continue
+            float8 = any(_is_float8(v.aval.dtype) for v in eqn.invars)
+            if emulation and not float8:
+                continue
             flops = _matmul_flops(eqn)
-            half = all(np.dtype(v.aval.dtype) in HALF for v in eqn.invars)
+            half = all(
+                np.dtype(v.aval.dtype) in HALF or _is_float8(v.aval.dtype) for v in eqn.invars
+            )
             counts["matmuls"] += 1
             counts["matmul_flops"] += flops
             counts["half_matmuls"] += half
             counts["half_matmul_flops"] += flops * half
+            counts["float8_matmuls"] += float8
+            counts["float8_matmul_flops"] += flops * float8
     total = counts["matmul_flops"]
     counts["half_flops_share"] = counts["half_matmul_flops"] / total if total else 0.0
+    counts["float8_flops_share"] = counts["float8_matmul_flops"] / total if total else 0.0
     return counts
 
 
@@ -416,6 +453,9 @@ def build_model(key: str, args: argparse.Namespace, batch: int | None = None):
         sizes = {"batch": getattr(args, f"{key}_batch")}
         if key == "gpt":
             sizes["seq"] = args.gpt_seq
+            # a wider transformer (issue 23: float8 pays from d ~ 2048)
+            sizes.update(layers=args.gpt_layers, d_model=args.gpt_width)
+            sizes["heads"] = args.gpt_width // 64
     if batch is not None:
         sizes["batch"] = batch
     return _gpu_models.BUILDERS[key](**sizes)
@@ -473,6 +513,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--gpt-batch", type=int, default=None, help="default 16 on cards under 100 GiB, else 32"
     )
     parser.add_argument("--gpt-seq", type=int, default=1024)
+    parser.add_argument(
+        "--gpt-width", type=int, default=768, help="GPT's d_model (heads: d / 64; default 768)"
+    )
+    parser.add_argument("--gpt-layers", type=int, default=12, help="GPT's layers (default 12)")
     parser.add_argument("--resnet50-batch", type=int, default=128)
     parser.add_argument("--vit-batch", type=int, default=128)
     args = parser.parse_args(argv)

@@ -11,6 +11,7 @@ from jmp_rewrite._src.explain import EquationReport as EquationReport
 from jmp_rewrite._src.explain import Report as Report
 from jmp_rewrite._src.explain import explain as explain
 from jmp_rewrite._src.facts import EquationPaint as EquationPaint
+from jmp_rewrite._src.fp8 import Fp8Rules as Fp8Rules
 from jmp_rewrite._src.op_lists import LEVELS as LEVELS
 from jmp_rewrite._src.op_lists import OpLists as OpLists
 from jmp_rewrite._src.op_lists import default_lists as default_lists
@@ -44,6 +45,7 @@ __all__ = (
     "Report",
     "explain",
     "EquationPaint",
+    "Fp8Rules",
     "OpLists",
     "PaintResult",
     "RewriteOffWarning",

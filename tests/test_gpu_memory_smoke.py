@@ -60,6 +60,25 @@ def test_hlo_accounting():
     assert stats["converts"] == 1
 
 
+def test_float8_gemms_are_counted():
+    import gpu_memory
+
+    f8 = (
+        "  %cublas-gemm.3 = (bf16[512,768]{1,0}, s8[33554432]{0}) custom-call("
+        "f8e4m3fn[512,3072]{1,0} %a, f8e4m3fn[768,3072]{1,0} %b), "
+        'custom_call_target="__cublas$lt$matmul$f8", backend_config={}\n'
+    )
+    triton = (
+        "  %gemm_fusion_dot.7 = bf16[512,768]{1,0} fusion(f8e5m2[512,3072]{1,0} %g, "
+        "bf16[3072,768]{1,0} %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, "
+        'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}\n'
+    )
+    bf16 = triton.replace("f8e5m2", "bf16").replace(".7", ".8")
+    stats = gpu_memory.hlo_stats(HLO + f8 * 2 + triton + bf16)
+    assert stats["float8_gemms"] == 2 and stats["float8_triton_fusions"] == 1
+    assert gpu_memory.hlo_stats(HLO)["float8_gemms"] == 0
+
+
 def test_baseline_fills_in_variants_not_compiled_now():
     import gpu_memory
 

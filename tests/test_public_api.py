@@ -18,6 +18,7 @@ MODULES = [
     "finite",
     "loss_scale_state",
     "environment",
+    "fp8",
 ]
 
 

@@ -38,6 +38,7 @@ T_LSO = "tests/test_loss_scale_optimizer.py::"
 T_NUM = "tests/test_numerics.py::"
 T_LOOPS = "tests/test_state_in_loops.py::"
 T_LIBS = "tests/test_model_libraries.py::"
+T_FP8 = "tests/test_fp8.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -782,5 +783,87 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:",
         "tests/test_loss_scale_misuse.py::test_a_fixed_scale_of_one_does_not_warn_about_unscaled_gradients",
         "a fixed scale of 1 warns that jax.grad's gradients are unscaled (they are right)",
+    ),
+    # -- branch fp8 (issue 23: float8 matmuls) --
+    _m(
+        "fp8.zero_amax_divides_by_zero",
+        "fp8.py",
+        "    scale = jnp.where(amax == 0, jnp.float32(1), jnp.maximum(amax / fmax, tiny))",
+        "    scale = amax / fmax",
+        T_FP8 + "test_zero_operand_scales_by_one_and_gives_zero",
+        "an all-zero operand (a fresh bias-free layer's input) gives NaN: 0 / 0",
+    ),
+    _m(
+        "fp8.subnormal_amax_scale_underflows",
+        "fp8.py",
+        "    tiny = np.float32(np.finfo(np.float32).tiny)",
+        "    tiny = np.float32(0)",
+        T_FP8 + "test_tiny_operands_do_not_turn_into_nan",
+        "an operand of subnormal size gets a zero scale and turns into NaN",
+    ),
+    _m(
+        "fp8.cotangent_in_e4m3",
+        "fp8.py",
+        "    g_a = E4M3 if formats[1] == E5M2 else E5M2",
+        "    g_a = E4M3",
+        T_FP8 + "test_cuda_lowering_uses_the_float8_presets_and_cpu_does_not",
+        "the cotangent of a gradient GEMM is quantized to e4m3, losing e5m2's range",
+    ),
+    _m(
+        "fp8.fast_accumulation_in_gradients",
+        "fp8.py",
+        "        preset = FORWARD_PRESET if fast_accum else BACKWARD_PRESET",
+        "        preset = FORWARD_PRESET",
+        T_FP8 + "test_cuda_lowering_uses_the_float8_presets_and_cpu_does_not",
+        "gradient GEMMs accumulate with Hopper's reduced-precision fast accumulation",
+    ),
+    _m(
+        "fp8.transpose_rule_order",
+        "fp8.py",
+        "        ans_y = list(range(nb, nb + len(y_kept)))",
+        "        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))",
+        T_FP8 + "test_grad_of_the_quantized_dot_against_float32",
+        "the rhs gradient GEMM contracts the wrong dimensions",
+    ),
+    _m(
+        "fp8.first_layer_in_float8",
+        "fp8.py",
+        "            if rules.keep_first and d.node == first:",
+        "            if rules.keep_first and d.node == first and False:",
+        T_FP8 + "test_default_selection_block_weight_gemms_not_first_last_or_small",
+        "the input layer runs in float8 by default",
+    ),
+    _m(
+        "fp8.activation_products_in_float8",
+        "fp8.py",
+        "        if any(_weight_operand(o) for o in d.origins) and not any(map(_one_hot, "
+        "d.producers))",
+        "        if not any(map(_one_hot, d.producers))",
+        T_FP8 + "test_float32_regions_and_attention_products_stay_out",
+        "attention's score and value matmuls (no parameter operand) run in float8",
+    ),
+    _m(
+        "fp8.one_hot_in_float8",
+        "fp8.py",
+        "        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.floating)",
+        "        return False",
+        T_FP8 + "test_one_hot_embeddings_stay_out",
+        "a one-hot embedding matmul runs in float8",
+    ),
+    _m(
+        "fp8.unaligned_shapes",
+        "fp8.py",
+        '    bad = [f"{k}={v}" for k, v in dims.items() if v < rules.min_dim or v % rules.multiple]',
+        '    bad = [f"{k}={v}" for k, v in dims.items() if v < rules.min_dim]',
+        T_FP8 + "test_default_selection_block_weight_gemms_not_first_last_or_small",
+        "a GEMM whose dimensions are not multiples of 16 (padded by XLA) runs in float8",
+    ),
+    _m(
+        "fp8.backward_gemms_unpaired",
+        "fp8.py",
+        "        if hits.count(True) != 1 or exc:",
+        "        if True:",
+        T_FP8 + "test_both_orders_quantize_the_same_gemms",
+        "rewrite(grad(f)) leaves the gradient GEMMs of float8 matmuls in bfloat16",
     ),
 )

@@ -232,6 +232,13 @@ class Comparison:
             f"underflow: {sum(e.underflow for e in self.equations)}, "
             f"NaN: {sum(e.nan for e in self.equations)}",
         ]
+        float8 = [e for e in self.equations if e.float8]
+        if float8:
+            worst = max(float8, key=lambda e: e.rel_error)
+            lines.append(
+                f"float8 matmuls: {len(float8)}; largest relative error "
+                f"{fmt_error(worst.rel_error)} ({worst.path}, {worst.float8})"
+            )
         first = self.first_exceeding
         lines.append(
             "first exceeding tolerance: "
@@ -456,6 +463,7 @@ def compare(
     level: str | None = None,
     tolerance: float | None = None,
     infer_follows_allow: bool = True,
+    fp8: Any = False,
     **kwargs: Any,
 ) -> Comparison:
     """Runs ``fun`` in float32 and rewritten side by side, equation by equation.
@@ -505,6 +513,11 @@ def compare(
       tolerance: relative-error tolerance (default ``1e-2`` for float16, ``5e-2`` for
         bfloat16).
       infer_follows_allow: as in :func:`jmp_rewrite.rewrite`.
+      fp8: as in :func:`jmp_rewrite.rewrite` (bfloat16 only): the matmuls run in float8 are
+        compared with their float8 rounding (``EquationComparison.float8`` names their
+        formats; the summary gives their largest error), and a float8 matmul where a
+        problem starts is noted with the :class:`jmp_rewrite.Fp8Rules` exclusion that keeps
+        it bfloat16, not blamed on the lists.
       **kwargs: keyword arguments for ``fun``.
 
     Returns:
@@ -528,12 +541,13 @@ def compare(
     """
     if not callable(fun):
         raise TypeError(f"compare expects a callable, got {type(fun).__name__}: {fun!r}")
+    settings_lib.validate_fp8(dtype, fp8)
     dt = settings_lib.validate_dtype(dtype)
     if dt is None:
         dt = settings_lib.platform_dtype() or np.dtype(jnp.float16)
     tol = _tolerance(tolerance, dt)
     _check_args(jax.tree.leaves((args, kwargs)))
-    return _compare(fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None)
+    return _compare(fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None, fp8)
 
 
 @dataclasses.dataclass
@@ -561,9 +575,10 @@ def _compare(
     tol: float,
     infer_follows_allow: bool,
     previous: _Reference | None,
+    fp8: Any = False,
 ) -> Comparison:
     fn = rewrite_lib.rewrite(
-        fun, dtype=dt, lists=lists, level=level, infer_follows_allow=infer_follows_allow
+        fun, dtype=dt, lists=lists, level=level, infer_follows_allow=infer_follows_allow, fp8=fp8
     )
     entry, flat = fn.trace(*args, **kwargs)
     graph, config = entry.graph, entry.config
@@ -587,7 +602,7 @@ def _compare(
 
     def rerun(new_lists: op_lists_lib.OpLists) -> Comparison:
         return _compare(
-            fun, args, kwargs, dt, new_lists, level, tol, infer_follows_allow, reference
+            fun, args, kwargs, dt, new_lists, level, tol, infer_follows_allow, reference, fp8
         )
 
     return Comparison(

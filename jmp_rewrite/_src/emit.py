@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.graph import (
     SCATTER_REBUILDERS,
@@ -391,6 +392,12 @@ class Emitter:
         node = rec.node
         half = self.is_half(node)
         name = eqn.primitive.name
+        fp8 = self.painting.fp8
+        if fp8 is not None and node in fp8.dots:
+            # Operands as they are (a float32 parameter is quantized from float32, not from
+            # a bfloat16 copy); the result in the dtype the bfloat16 rewrite gives it.
+            out = self.target(node, eqn.outvars[0].aval.dtype)
+            return fp8_lib.emit(eqn, [read(a) for a in eqn.invars], fp8.dots[node], out)
         if name == "convert_element_type":
             # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
             # float32 whose consumers are all half casts to half instead.
@@ -458,7 +465,7 @@ class Emitter:
             self.half,
             self.graph.lists,
             None,
-            self.options,
+            {**self.options, "fp8_check": False},
         )
         return jc.same_form(value, new, eqn_name="opaque body")
 
@@ -630,4 +637,8 @@ def rewrite_closed(
     )
     if not painting.changed:
         return closed
+    if options.get("fp8") is not None:
+        painting.fp8 = fp8_lib.select(
+            graph, painting, options["fp8"], check_patterns=options.get("fp8_check", True)
+        )
     return Emitter(graph, painting, dtype, options).trace_program(closed, out_dtypes)

@@ -55,6 +55,8 @@ class EquationReport(EquationPaint):
       accumulates_through: for a loop carry run in half precision whose next value adds to
         it, the keys of the ops on the way (``("add", "max")``; its ``source`` is then the
         line of that addition), else ``()``: it is rounded to half every iteration.
+      float8_left: under ``fp8=True``, why a half-precision matmul stays bfloat16 (``shape:
+        ...`` when only its shape kept it), else ``""``.
 
     ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
     ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
@@ -74,6 +76,7 @@ class EquationReport(EquationPaint):
     tensor_dims: tuple[tuple[str, int], ...] = ()
     released_by: tuple[str, ...] = ()
     accumulates_through: tuple[str, ...] = ()
+    float8_left: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +150,13 @@ class Report:
         total = self.matmul_flops
         return None if total == 0 else sum(e.flops for e in self.equations if e.half) / total
 
+    @property
+    def float8_flops_share(self) -> float | None:
+        """Share of all dot_general/conv FLOPs run in float8 (``fp8=True``; part of
+        :attr:`half_flops_share`); None without any matmul."""
+        total = self.matmul_flops
+        return None if total == 0 else sum(e.flops for e in self.equations if e.float8) / total
+
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
         out: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"half": 0, "float32": 0})
@@ -165,6 +175,12 @@ class Report:
             f"casts inserted: {len(self.casts)}",
             f"matmul/conv FLOPs in half precision: {self._flops_words()}",
         ]
+        if self.float8_flops_share:
+            f8, half = self.float8_flops_share, self.half_flops_share or 0.0
+            lines.append(
+                f"matmul FLOPs in float8 / {self.dtype} / float32: {100 * f8:.1f}% / "
+                f"{100 * (half - f8):.1f}% / {100 * (1 - half):.1f}%"
+            )
         if self.residual_bytes_float32 is not None:
             lines.append(
                 "bytes saved for the backward pass: "
@@ -327,6 +343,7 @@ class Report:
                 "converted": len(self.converted),
                 "casts": len(self.casts),
                 "half_flops_share": self.half_flops_share,
+                "float8_flops_share": self.float8_flops_share,
                 "residual_bytes_float32": self.residual_bytes_float32,
                 "residual_bytes_rewritten": self.residual_bytes_rewritten,
             },
@@ -409,6 +426,10 @@ def _equation(
     d = dtypes_after(n, facts["colour"], half)
     eqn = n.eqn
     extra: dict[str, Any] = {}
+    fp8 = painting.fp8
+    if fp8 is not None and n.id in fp8.dots:  # the operands as the float8 GEMM takes them
+        d["in_after"] = tuple(str(f) for f in fp8.dots[n.id].formats)
+
     if eqn is not None:
         extra = {
             "flops": _flops(eqn) * trips,
@@ -416,6 +437,8 @@ def _equation(
             "out_shapes": tuple(tuple(v.aval.shape) for v in eqn.outvars),
             "tensor_dims": _tensor_dims(eqn) if eqn.primitive.name in _MATMUL_PRIMITIVES else (),
         }
+    if fp8 is not None and n.id in fp8.left:
+        extra["float8_left"] = fp8.left[n.id]
     if accumulates:  # a half carry adding to itself: named by its addition's line
         extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
@@ -462,6 +485,7 @@ def explain(
     level: str | None = None,
     infer_follows_allow: bool | None = None,
     residuals: bool = True,
+    fp8: Any = None,
     **kwargs: Any,
 ) -> Report:
     """Explains what :func:`jmp_rewrite.rewrite` does to ``fun`` at these arguments.
@@ -489,6 +513,9 @@ def explain(
       residuals: measure the bytes saved for the backward pass of ``fun`` (traces its VJP
         twice). Skipped anyway when ``fun`` already contains a backward pass (a train
         step), where the figure would describe differentiating the optimizer.
+      fp8: as in :func:`jmp_rewrite.rewrite` (None: the rewrite's own, else off); float8
+        matmuls show with their formats (``EquationReport.float8``) and the summary splits
+        the FLOPs into float8 / bfloat16 / float32.
       **kwargs: example keyword arguments.
 
     Returns:
@@ -506,6 +533,7 @@ def explain(
       >>> len(r.converted), r.total, r.half_flops_share
       (2, 3, 1.0)
     """
+    settings_lib.validate_fp8(dtype, fp8)
     settings_lib.validate_dtype(dtype)
     target, jits = rewrite_lib.find_rewritten(fun)
     explained, static = "", None
@@ -516,12 +544,13 @@ def explain(
         level = target.level if level is None else level
         if infer_follows_allow is None:
             infer_follows_allow = target.infer_follows_allow
+        fp8 = target.fp8 if fp8 is None else fp8
         dtype_words = "dtype=None" if target.dtype is None else f"dtype={target.dtype}"
         wrapper = f"rewrite({target._name}, {dtype_words})"
         wrapper = "jit(" * jits + wrapper + ")" * jits
         explained = f"{target._name}, the function inside {wrapper}, with its settings"
     follow = True if infer_follows_allow is None else infer_follows_allow
-    settings = settings_lib.effective_settings(dtype, lists, level, follow)
+    settings = settings_lib.effective_settings(dtype, lists, level, follow, fp8 or False)
     if settings.dtype is None:
         return Report("none", False, (), (), None, None, explained, settings.off_reason)
     fn = rewrite_lib.rewritten_with(fun, settings, static)

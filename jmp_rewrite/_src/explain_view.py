@@ -230,8 +230,10 @@ class Finding:
 
     Attributes:
       kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8),
-        ``deny_chain`` (one list change would run more equations in half precision) or
-        ``half_carry`` (a loop carry in half precision that adds to itself every iteration).
+        ``deny_chain`` (one list change would run more equations in half precision),
+        ``half_carry`` (a loop carry in half precision that adds to itself every iteration)
+        or ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of
+        its shape).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -329,7 +331,34 @@ def lint(report: Report) -> list[Finding]:
             )
         )
     chains.sort(key=lambda f: -f.bytes)
-    return _half_carries(report) + findings + chains
+    return _half_carries(report) + findings + _float8_shapes(report) + chains
+
+
+def _float8_shapes(report: Report) -> list[Finding]:
+    """Under ``fp8=True``: weight GEMMs left bfloat16 only because of their shape."""
+    out = []
+    for e in report.equations:
+        if not e.float8_left.startswith("shape:"):
+            continue
+        out.append(
+            Finding(
+                kind="float8_shape",
+                message=(
+                    f"{e.phase} {e.primitive}{_where(e.scope, e.source)} stays "
+                    f"{report.dtype} under fp8=True only because of its {e.float8_left}"
+                ),
+                scope=e.scope,
+                source=e.source,
+                equations=(e.path,),
+                flops=e.flops,
+                change=(
+                    "resize it, or name it in jmp_rewrite.Fp8Rules(include=...) "
+                    "(or lower min_dim) to run it in float8 anyway"
+                ),
+                risk="a small GEMM's quantization may cost more than float8 saves",
+            )
+        )
+    return out
 
 
 def _half_carries(report: Report) -> list[Finding]:

@@ -38,6 +38,8 @@ class EquationPaint:
       in_float32_region: inside :func:`jmp_rewrite.float32_region`.
       scope: the user's name scopes (``jax.named_scope``, Flax/Haiku module paths) with
         transformation wrappers removed, or ``""``.
+      float8: under ``fp8=True``, the float8 formats of a matmul run in float8
+        (``"e4m3 x e4m3"``; ``"e5m2 x e4m3"`` for a gradient GEMM), else ``""``.
     """
 
     path: str
@@ -49,6 +51,7 @@ class EquationPaint:
     float32: bool
     in_float32_region: bool
     scope: str = ""
+    float8: str = ""
 
     @property
     def half(self) -> bool:
@@ -74,7 +77,14 @@ def equation_facts(graph: Graph, painting: Painting, node: Node) -> dict[str, An
         "float32": node.float32,
         "in_float32_region": node.region,
         "scope": user_scope(eqn),
+        "float8": _float8(painting, node.id) if changed else "",
     }
+
+
+def _float8(painting: Painting, node_id: int) -> str:
+    fp8 = painting.fp8
+    choice = fp8.dots.get(node_id) if fp8 is not None else None
+    return choice.describe() if choice is not None else ""
 
 
 def dtypes_after(node: Node, colour: str, half: str) -> dict[str, tuple[str, ...]]:

@@ -223,6 +223,8 @@ class EqnRec:
     ys: list[int | None] = dataclasses.field(default_factory=list)
     #: per operand: a constant (see :class:`Origin`), clamped when cast to half precision.
     const_operands: tuple[bool, ...] = ()
+    #: per operand, its :class:`Origin` (float8 tells parameters from activations by it).
+    operand_origins: tuple[Origin, ...] = ()
 
 
 @dataclasses.dataclass
@@ -382,6 +384,7 @@ class Graph:
                 if erec.node is not None:
                     self.nodes[erec.node].origin = o
             erec.const_operands = tuple(o.const for o in in_origins)
+            erec.operand_origins = tuple(in_origins)
             for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src

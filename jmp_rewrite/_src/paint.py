@@ -12,6 +12,7 @@ import collections
 import copy
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 from jax import lax
@@ -32,12 +33,15 @@ class Painting:
       deny: ids of the nodes painted deny by pass 2.
       painted_by: node id -> name of the pass that last decided its colour.
       changed: False when TF's "No allowlist ops found, nothing to do" applies.
+      fp8: the matmuls run in float8 (a :class:`~jmp_rewrite._src.fp8.Fp8Selection`), or
+        None without ``fp8=True``.
     """
 
     allow: set[int]
     deny: set[int]
     painted_by: dict[int, str]
     changed: bool
+    fp8: Any = None
 
     def colour(self, node_id: int) -> str:
         if node_id in self.allow:

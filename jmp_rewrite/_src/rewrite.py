@@ -22,6 +22,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import arguments, nnx_support
+from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
@@ -35,6 +36,7 @@ from jmp_rewrite._src.settings import (
     effective_settings,
     resolve_config,
     validate_dtype,
+    validate_fp8,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,9 +68,12 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
     if config is None:
         return None, None
     graph = Graph(closed, config.lists)
-    return graph, paint(
+    painting = paint(
         graph, infer_follows_allow=config.infer_follows_allow, force_all=config.force_all
     )
+    if config.fp8 is not None and painting.changed:
+        painting.fp8 = fp8_lib.select(graph, painting, config.fp8)
+    return graph, painting
 
 
 @dataclasses.dataclass
@@ -90,6 +95,7 @@ class _RewrittenFunction:
         level: str | None,
         infer_follows_allow: bool,
         static: arguments.StaticArgs,
+        fp8: Any = False,
     ):
         # First: update_wrapper copies ``fun.__dict__`` (nnx.jit's and our own wrappers carry
         # attributes such as ``static_argnums`` or ``dtype``), which must not shadow ours.
@@ -100,6 +106,7 @@ class _RewrittenFunction:
         self.level = level
         self.infer_follows_allow = infer_follows_allow
         self.static = static
+        self.fp8 = fp8
         self._cache: dict[Any, _Entry] = {}
         # Traces per key with static Python numbers left out (to warn about re-tracing).
         self._churn: dict[Any, list[Any]] = {}
@@ -111,7 +118,9 @@ class _RewrittenFunction:
         return getattr(self.fun, "__name__", type(self.fun).__name__)
 
     def config(self) -> RewriteConfig | None:
-        s = effective_settings(self.dtype, self.lists, self.level, self.infer_follows_allow)
+        s = effective_settings(
+            self.dtype, self.lists, self.level, self.infer_follows_allow, self.fp8
+        )
         if s.dtype is None and s.off_reason not in self._said_off:
             self._said_off.add(s.off_reason)
             warnings.warn(
@@ -119,7 +128,7 @@ class _RewrittenFunction:
                 RewriteOffWarning,
                 stacklevel=_user_stacklevel(),
             )
-        return resolve_config(s.dtype, s.lists, s.level, s.infer_follows_allow)
+        return resolve_config(s.dtype, s.lists, s.level, s.infer_follows_allow, s.fp8)
 
     def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         call = arguments.split_call(self.static, args, kwargs, self._name)
@@ -184,7 +193,8 @@ class _RewrittenFunction:
         return functools.partial(self, obj)
 
     def __repr__(self) -> str:
-        return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype})"
+        fp8 = "" if not self.fp8 else f", fp8={self.fp8!r}"
+        return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype}{fp8})"
 
 
 # Rewritten functions called while ``explain`` traces (see :func:`recording_calls`).
@@ -237,6 +247,7 @@ def rewritten_with(fun: Callable[..., Any], settings: Settings, static: Any = No
         settings.level,
         settings.infer_follows_allow,
         static,
+        settings.fp8,
     )
 
 
@@ -250,6 +261,7 @@ def rewrite(
     infer_follows_allow: bool = ...,
     static_argnums: Any = ...,
     static_argnames: Any = ...,
+    fp8: Any = ...,
 ) -> F: ...
 
 
@@ -263,6 +275,7 @@ def rewrite(
     infer_follows_allow: bool = ...,
     static_argnums: Any = ...,
     static_argnames: Any = ...,
+    fp8: Any = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -275,6 +288,7 @@ def rewrite(
     infer_follows_allow=True,
     static_argnums=None,
     static_argnames=None,
+    fp8=False,
 ):
     """Rewrites ``fun`` to run in mixed precision, as TF's ``auto_mixed_precision`` would.
 
@@ -327,6 +341,11 @@ def rewrite(
       static_argnums: indices of static arguments, as in ``jax.jit`` (negative ones count
         from the end of ``fun``'s positional parameters).
       static_argnames: names of static arguments, as in ``jax.jit``.
+      fp8: True (or a :class:`jmp_rewrite.Fp8Rules`) runs the weight GEMMs of the
+        program's blocks in float8 (forward e4m3 x e4m3, gradients with the cotangent in
+        e5m2, per-tensor current scaling, float32 accumulation, bfloat16 result), the rest
+        as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
+        cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding).
 
     Returns:
       The rewritten function (or, without ``fun``, a decorator producing one).
@@ -335,8 +354,9 @@ def rewrite(
       TypeError: if ``fun`` is not callable, or ``static_argnums``/``static_argnames`` are
         not ints/strs; when called, if a static value is not hashable.
       ValueError: if ``dtype`` is not float16, bfloat16 or None, or a static index or name
-        is not a parameter of ``fun``; when called, if an NNX object is declared static or
-        ``fun`` changes the structure of one.
+        is not a parameter of ``fun``, or ``fp8`` is asked for with float16; when called, if
+        an NNX object is declared static or ``fun`` changes the structure of one, or an
+        :class:`Fp8Rules` pattern matches no matmul.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -354,6 +374,7 @@ def rewrite(
       >>> f(jnp.eye(4), jnp.ones((2, 4)), 3, act=jnp.tanh).shape  # act: static, automatically
       (2, 4)
     """
+    validate_fp8(dtype, fp8)
     validate_dtype(dtype)
     # Checked here too so that a bad value fails at decoration, even without ``fun``.
     arguments.resolve_static(lambda *a, **k: None, static_argnums, static_argnames)
@@ -362,7 +383,7 @@ def rewrite(
         if not callable(f):
             raise TypeError(f"rewrite expects a callable, got {type(f).__name__}: {f!r}")
         static = arguments.resolve_static(f, static_argnums, static_argnames)
-        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, static)  # type: ignore[return-value]
+        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, static, fp8)  # type: ignore[return-value]
 
     if fun is None:
         return decorate
@@ -376,6 +397,7 @@ def rewrite_jaxpr(
     lists: Any = None,
     level: str | None = None,
     infer_follows_allow: bool = True,
+    fp8: Any = False,
 ) -> Any:
     """Rewrites a closed jaxpr; the result has the same input and output avals.
 
@@ -385,6 +407,7 @@ def rewrite_jaxpr(
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`rewrite`.
       infer_follows_allow: as in :func:`rewrite`.
+      fp8: as in :func:`rewrite`.
 
     Returns:
       A new closed jaxpr (the input itself when nothing is painted).
@@ -410,7 +433,8 @@ def rewrite_jaxpr(
         )
     if dtype is None:
         raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_HALF_DTYPES_MSG}")
-    config = resolve_config(dtype, lists, level, infer_follows_allow)
+    validate_fp8(dtype, fp8)
+    config = resolve_config(dtype, lists, level, infer_follows_allow, fp8)
     return rewrite_closed(closed_jaxpr, config.dtype, config.lists, None, config.options)
 
 
@@ -475,6 +499,7 @@ def paint_program(
     infer_follows_allow: bool = True,
     static_argnums: Any = None,
     static_argnames: Any = None,
+    fp8: Any = False,
     **kwargs: Any,
 ) -> PaintResult:
     """Paints ``fun`` at these arguments with TF's passes, without running it.
@@ -488,6 +513,7 @@ def paint_program(
       infer_follows_allow: as in :func:`rewrite`.
       static_argnums: as in :func:`rewrite`.
       static_argnames: as in :func:`rewrite`.
+      fp8: as in :func:`rewrite` (float8 matmuls show in ``EquationPaint.float8``).
       **kwargs: example keyword arguments.
 
     Returns:
@@ -515,6 +541,7 @@ def paint_program(
         infer_follows_allow=infer_follows_allow,
         static_argnums=static_argnums,
         static_argnames=static_argnames,
+        fp8=fp8,
     )
     entry, _ = fn.trace(*args, **kwargs)
     return paint_result(entry.graph, entry.painting, entry.config)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import environment
+from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import op_lists as op_lists_lib
 
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
@@ -58,6 +59,24 @@ def validate_dtype(dtype: Any) -> np.dtype | None:
     if dt not in HALF_DTYPES:
         raise ValueError(f"dtype must be {_ALLOWED_DTYPES_MSG}; got {dtype!r}")
     return dt
+
+
+def validate_fp8(dtype: Any, fp8: Any) -> Any:
+    """``fp8`` as :class:`~jmp_rewrite.Fp8Rules` or None, checked against ``dtype``.
+
+    Raises:
+      TypeError: if ``fp8`` is not a bool or rules.
+      ValueError: if float8 is asked for with a dtype other than bfloat16 (or None).
+    """
+    rules = fp8_lib.resolve_rules(fp8)
+    if rules is not None and dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            dt = None
+        if dt != np.dtype(jnp.bfloat16):
+            raise ValueError(f"{fp8_lib.NEEDS_BF16}; got dtype={dtype!r}")
+    return rules
 
 
 # Frames of these packages (and of Python's wrappers) are not where a user calls from.
@@ -141,6 +160,7 @@ class Settings:
       level: the level argument, or None.
       infer_follows_allow: TF's pass 4 switch.
       off_reason: why ``dtype`` is None (a sentence), else ``""``.
+      fp8: the ``fp8`` argument (False, True or :class:`~jmp_rewrite.Fp8Rules`).
     """
 
     dtype: Any
@@ -148,10 +168,11 @@ class Settings:
     level: str | None
     infer_follows_allow: bool
     off_reason: str = ""
+    fp8: Any = False
 
 
 def effective_settings(
-    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
+    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool, fp8: Any = False
 ) -> Settings:
     """The settings :func:`rewrite` with these arguments uses now; ``explain`` uses the same.
 
@@ -159,7 +180,7 @@ def effective_settings(
     supplies its options when it is on, and the platform picks the dtype (TF's rule).
     """
     if dtype is not None:
-        return Settings(dtype, lists, level, infer_follows_allow)
+        return Settings(dtype, lists, level, infer_follows_allow, fp8=fp8)
     prefix = ""
     if GLOBAL.enabled:
         opts = GLOBAL.options
@@ -167,11 +188,11 @@ def effective_settings(
         level = opts.get("level", level)
         infer_follows_allow = opts.get("infer_follows_allow", infer_follows_allow)
         if opts.get("dtype") is not None:
-            return Settings(opts["dtype"], lists, level, infer_follows_allow)
+            return Settings(opts["dtype"], lists, level, infer_follows_allow, fp8=fp8)
         prefix = "enable_mixed_precision_graph_rewrite is on without a dtype, and "
     dtype, why = platform_choice()
     off = f"{prefix}{why}; {_FORCE_HINT}" if dtype is None else ""
-    return Settings(dtype, lists, level, infer_follows_allow, off)
+    return Settings(dtype, lists, level, infer_follows_allow, off, fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,14 +203,20 @@ class RewriteConfig:
     lists: Any
     force_all: bool
     infer_follows_allow: bool
+    #: the float8 rules (:class:`~jmp_rewrite.Fp8Rules`), None without float8.
+    fp8: Any = None
 
     @property
     def options(self) -> dict[str, Any]:
-        return {"force_all": self.force_all, "infer_follows_allow": self.infer_follows_allow}
+        return {
+            "force_all": self.force_all,
+            "infer_follows_allow": self.infer_follows_allow,
+            "fp8": self.fp8,
+        }
 
 
 def resolve_config(
-    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool
+    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool, fp8: Any = False
 ) -> RewriteConfig | None:
     """The painting configuration, or None when the program is to be left unchanged.
 
@@ -200,12 +227,16 @@ def resolve_config(
     dt = validate_dtype(dtype)
     if dt is None:
         return None
+    rules = fp8_lib.resolve_rules(fp8)
+    if rules is not None and dt != np.dtype(jnp.bfloat16):
+        raise ValueError(f"{fp8_lib.NEEDS_BF16}; got dtype {dt}")
     if lists is not None and not isinstance(lists, op_lists_lib.OpLists):
         raise TypeError(f"lists must be a jmp_rewrite.OpLists, got {type(lists).__name__}")
     # Resolved once per (arguments, JMP_REWRITE_* / TF_AUTO_MIXED_PRECISION_* variables): it
     # runs on every eager call.
     env = tuple(sorted((k, v) for k, v in os.environ.items() if environment.is_ours(k)))
-    return _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
+    config = _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
+    return config if rules is None else dataclasses.replace(config, fp8=rules)
 
 
 @functools.lru_cache(maxsize=256)

@@ -132,6 +132,20 @@ def suggest(
         owner = graph.nodes[n.unit] if n.unit is not None else n
         key, listed = owner.key, owner.listed_kind
         scope = user_scope(n.eqn)
+        fp8 = painting.fp8
+        if fp8 is not None and node_id in fp8.dots:  # float8's rounding, not the lists'
+            name = f"Fp8Rules(exclude=({scope!r},))" if scope else "Fp8Rules(exclude=...)"
+            notes.append(
+                f"{n.path} ({key}, float8 {fp8.dots[node_id].describe()}): {reason}; it ran "
+                f"in float8: keep it bfloat16 with jmp_rewrite.{name} if that matters"
+            )
+            continue
+        if fp8 is not None and any(f in fp8.dots for f in n.fanin):
+            notes.append(
+                f"{n.path} ({key}): {reason}; it reads a float8 matmul's result, whose "
+                "rounding (a few %) it inherits: no list change applies"
+            )
+            continue
         if force_all:
             to_list = TO_REGION
             reason += "; level UNSAFE_FORCE_ALL ignores the lists"

@@ -1,0 +1,448 @@
+"""``rewrite(f, dtype=bfloat16, fp8=True)``: float8 weight GEMMs (CPU: XLA emulates float8).
+
+Numerics of the quantized matmul (saturation, zero / infinite / NaN operands, gradients
+against float32), which matmuls are chosen (weight GEMMs of blocks; not the first, the head,
+attention's activation products, small ones; scopes moved in and out), both orders of
+``grad`` and ``rewrite``, with and without ``jit``, and a small GPT trained to bf16's loss
+milestones.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_rewrite
+from jmp_rewrite._src import fp8
+
+BF16 = jnp.bfloat16
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _keys(n, seed=0):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+# -- quantization -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_saturates_and_scales_to_the_range(dtype):
+    fmax = float(jnp.finfo(dtype).max)
+    x = jnp.array([3e38, -3e38, 1.0, -1e-30, 0.0], jnp.float32)
+    q, s = fp8.quantize(x, dtype)
+    assert q.dtype == np.dtype(dtype)
+    vals = np.asarray(q.astype(jnp.float32))
+    assert np.all(np.isfinite(vals))  # never rounded to inf/NaN
+    assert vals[0] == fmax and vals[1] == -fmax  # the amax lands on the largest value
+    assert float(s) == pytest.approx(3e38 / fmax, rel=1e-6)
+    # values beyond the range once scaled (the division rounds up) are clipped, not NaN
+    q2, _ = fp8.quantize(jnp.array([1.0, np.nextafter(1.0, 2.0)], jnp.float32) * 7, dtype)
+    assert np.all(np.isfinite(np.asarray(q2.astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("amax", [1e-44, 1e-39, 1e-37, 1e-30])
+def test_tiny_operands_do_not_turn_into_nan(dtype, amax):
+    # 1e-37 / finfo.max is subnormal: XLA flushes it to 0, a scale of 0 would divide by it
+    x = jnp.array([amax, -amax / 2, 0.0], jnp.float32)
+    q, s = fp8.quantize(x, dtype)
+    back = np.asarray(q.astype(jnp.float32) * s)
+    assert np.all(np.isfinite(back)) and float(s) > 0
+    np.testing.assert_allclose(back, np.asarray(x), atol=float(jnp.finfo(jnp.float32).tiny))
+
+
+@pytest.mark.parametrize("dtype, bits", [(E4M3, 3), (E5M2, 2)])
+def test_quantize_round_trip_error_is_the_formats(dtype, bits):
+    x = jax.random.normal(_keys(1)[0], (4096,)) * 3
+    q, s = fp8.quantize(x, dtype)
+    back = q.astype(jnp.float32) * s
+    big = jnp.abs(x) > 1e-2 * jnp.max(jnp.abs(x))  # normal range of the format
+    err = jnp.max(jnp.abs(back - x)[big] / jnp.abs(x)[big])
+    assert 0 < float(err) <= 2.0 ** -(bits + 1) * 1.001
+
+
+def test_zero_operand_scales_by_one_and_gives_zero():
+    q, s = fp8.quantize(jnp.zeros((4, 4)), E4M3)
+    assert float(s) == 1.0 and not np.any(np.asarray(q.astype(jnp.float32)))
+    a, b = jnp.zeros((16, 32)), jnp.ones((32, 8))
+    out = fp8.fp8_dot(a, b, DIMS, np.dtype(BF16), (fp8.E4M3, fp8.E4M3), True)
+    assert out.dtype == np.dtype(BF16) and not np.any(np.asarray(out, np.float32))
+    ga, gb = jax.grad(
+        lambda a, b: (
+            fp8.fp8_dot(a, b, DIMS, np.dtype(BF16), (fp8.E4M3, fp8.E4M3), True)
+            .astype(jnp.float32)
+            .sum()
+        ),
+        argnums=(0, 1),
+    )(a, b)
+    assert np.all(np.isfinite(ga)) and np.all(np.isfinite(gb))
+    assert not np.any(np.asarray(gb))  # d/db of 0 @ b is 0
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_non_finite_operand_gives_a_non_finite_result(bad):
+    a = jax.random.normal(_keys(1)[0], (16, 32)).at[3, 5].set(bad)
+    b = jax.random.normal(_keys(2)[1], (32, 8))
+    out = fp8.fp8_dot(a, b, DIMS, np.dtype(BF16), (fp8.E4M3, fp8.E4M3), True)
+    assert not np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+def test_emulated_dot_is_the_dequantized_product():
+    ka, kb = _keys(2)
+    a, b = jax.random.normal(ka, (64, 96)), jax.random.normal(kb, (96, 48))
+    out = fp8.fp8_dot(a, b, DIMS, np.dtype(np.float32), (fp8.E4M3, fp8.E4M3), True)
+    qa, sa = fp8.quantize(a, E4M3)
+    qb, sb = fp8.quantize(b, E4M3)
+    ref = np.asarray(qa.astype(jnp.float32), np.float64) @ np.asarray(qb.astype(jnp.float32))
+    np.testing.assert_allclose(out, ref * float(sa) * float(sb), rtol=1e-5, atol=1e-5)
+    assert _rel(out, a @ b) > 1e-3  # quantized, not a float32 matmul
+
+
+@pytest.mark.parametrize(
+    "dims, shapes",
+    [
+        (DIMS, ((64, 96), (96, 48))),
+        ((((0,), (0,)), ((), ())), ((96, 64), (96, 48))),  # x.T @ w
+        ((((1,), (1,)), ((), ())), ((64, 96), (48, 96))),  # x @ w.T (a tied head)
+        ((((2,), (0,)), ((), ())), ((4, 16, 96), (96, 48))),  # tokens x features @ w
+        ((((2,), (1,)), ((0,), (0,))), ((4, 16, 96), (4, 96, 48))),  # batched
+    ],
+)
+def test_grad_of_the_quantized_dot_against_float32(dims, shapes):
+    ka, kb, kg = _keys(3)
+    a, b = jax.random.normal(ka, shapes[0]), jax.random.normal(kb, shapes[1])
+    ref_out = jax.lax.dot_general(a, b, dims)
+    w = jax.random.normal(kg, ref_out.shape)
+
+    def f8(a, b):
+        out = fp8.fp8_dot(a, b, dims, np.dtype(np.float32), (fp8.E4M3, fp8.E4M3), True)
+        return jnp.sum(out * w)
+
+    def f32(a, b):
+        return jnp.sum(jax.lax.dot_general(a, b, dims) * w)
+
+    got, ref = jax.grad(f8, (0, 1))(a, b), jax.grad(f32, (0, 1))(a, b)
+    for g, r, x in zip(got, ref, (a, b), strict=True):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        assert 1e-3 < _rel(g, r) < 0.12  # e5m2 cotangent x e4m3 operand
+
+
+def test_gradient_gemms_take_the_cotangent_in_e5m2():
+    a, b = jnp.ones((32, 64)), jnp.ones((64, 16))
+
+    def f(a, b):
+        return fp8.fp8_dot(a, b, DIMS, np.dtype(BF16), (fp8.E4M3, fp8.E4M3), True).sum()
+
+    text = str(jax.make_jaxpr(jax.grad(f, (0, 1)))(a, b))
+    assert "float8_e5m2" in text and "float8_e4m3fn" in text
+
+
+def test_cuda_lowering_uses_the_float8_presets_and_cpu_does_not():
+    a, b = jnp.ones((32, 64)), jnp.ones((64, 16))
+
+    def f(a, b):
+        return fp8.fp8_dot(a, b, DIMS, np.dtype(BF16), (fp8.E4M3, fp8.E4M3), True).sum()
+
+    traced = jax.jit(jax.value_and_grad(f, (0, 1))).trace(a, b)
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    algos = re.findall(r"allow_imprecise_accumulation = (true|false)", cuda)
+    # forward with fast accumulation, the two gradient GEMMs without
+    assert sorted(algos) == ["false", "false", "true"]
+    # the gradient GEMMs take the cotangent (their lhs) in e5m2, the operand in e4m3
+    lhs = re.findall(r"lhs_precision_type = (\w+), rhs_precision_type = (\w+)", cuda)
+    assert sorted(lhs) == [("f8E4M3FN", "f8E4M3FN")] + [("f8E5M2", "f8E4M3FN")] * 2
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "algorithm" not in cpu and "f8E4M3FN" in cpu
+
+
+# -- selection ----------------------------------------------------------------------------
+
+
+def _mlp_params(widths, seed=0):
+    ks = _keys(len(widths) - 1, seed)
+    return [
+        0.05 * jax.random.normal(k, (m, n))
+        for k, m, n in zip(ks, widths[:-1], widths[1:], strict=True)
+    ]
+
+
+def mlp(params, x):
+    for i, w in enumerate(params):
+        with jax.named_scope(f"layer{i}"):
+            x = x @ w
+            x = jnp.tanh(x) if i < len(params) - 1 else x
+    return jnp.mean(x**2)
+
+
+def _float8(fun, *args, **options):
+    p = jmp_rewrite.paint(fun, *args, dtype=BF16, **options)
+    return [e.float8 for e in p.find("dot_general")]
+
+
+X = jnp.ones((256, 256))
+
+
+def test_default_selection_block_weight_gemms_not_first_last_or_small():
+    params = _mlp_params([256, 512, 512, 240, 512, 512, 256])
+    got = _float8(mlp, params, X, fp8=True)
+    # first (input layer) and last (head) bf16; N=240 and K=240 too small; the rest float8
+    assert got == ["", "e4m3 x e4m3", "", "", "e4m3 x e4m3", ""]
+    assert _float8(mlp, params, X) == [""] * 6  # fp8 off
+    small = jmp_rewrite.Fp8Rules(min_dim=16)  # 240 = 15 x 16
+    assert _float8(mlp, params, X, fp8=small) == ["", *["e4m3 x e4m3"] * 4, ""]
+    odd = jmp_rewrite.Fp8Rules(min_dim=16, multiple=32)
+    assert _float8(mlp, params, X, fp8=odd) == ["", "e4m3 x e4m3", "", "", "e4m3 x e4m3", ""]
+
+
+def test_rules_move_matmuls_in_and_out_by_scope_and_source():
+    params = _mlp_params([256, 512, 512, 256, 256])
+    rules = jmp_rewrite.Fp8Rules(include=("layer0",), exclude=("layer2",))
+    assert _float8(mlp, params, X, fp8=rules) == ["e4m3 x e4m3", "e4m3 x e4m3", "", ""]
+    every = jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False)
+    assert _float8(mlp, params, X, fp8=every) == ["e4m3 x e4m3"] * 4
+    line = f"*test_fp8.py:{mlp.__code__.co_firstlineno + 3}"  # ``x = x @ w``
+    assert _float8(mlp, params, X, fp8=jmp_rewrite.Fp8Rules(exclude=(line,))) == [""] * 4
+
+
+def test_a_pattern_matching_nothing_is_an_error():
+    params = _mlp_params([256, 512, 256])
+    with pytest.raises(ValueError, match=r"'decoder\*' matches no .*layer0"):
+        _float8(mlp, params, X, fp8=jmp_rewrite.Fp8Rules(exclude=("decoder*",)))
+
+
+@pytest.mark.parametrize("bad", [jnp.float16, jnp.float32, "float16"])
+def test_float8_needs_bfloat16(bad):
+    with pytest.raises(ValueError, match="fp8=True needs dtype=jnp.bfloat16.*loss scaling"):
+        jmp_rewrite.rewrite(mlp, dtype=bad, fp8=True)
+    with pytest.raises(ValueError, match="fp8=True needs dtype=jnp.bfloat16"):
+        jmp_rewrite.explain(mlp, _mlp_params([256, 256]), X, dtype=bad, fp8=True)
+
+
+def test_bad_rules_are_errors():
+    with pytest.raises(TypeError, match="fp8 must be True, False or a jmp_rewrite.Fp8Rules"):
+        jmp_rewrite.rewrite(mlp, dtype=BF16, fp8="yes")
+    with pytest.raises(TypeError, match="tuple of patterns"):
+        jmp_rewrite.Fp8Rules(include="layer0")
+    with pytest.raises(ValueError, match="min_dim must be a positive int"):
+        jmp_rewrite.Fp8Rules(min_dim=0)
+
+
+ONE_HOTS = {
+    "jax.nn.one_hot": lambda t: jax.nn.one_hot(t, 256),
+    "compare and cast": lambda t: (t[:, None] == jnp.arange(256)).astype(jnp.float32),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(ONE_HOTS))
+def test_one_hot_embeddings_stay_out(spelling):
+    params = _mlp_params([256, 512, 512, 256])
+
+    def f(params, tokens):
+        x = ONE_HOTS[spelling](tokens) @ params[0]  # an embedding as a matmul
+        x = jnp.tanh(x @ params[1])
+        return jnp.mean(x @ params[2])
+
+    tokens = jnp.arange(256) % 7
+    rules = jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False)
+    r = jmp_rewrite.explain(f, params, tokens, dtype=BF16, fp8=rules)
+    dots = [e for e in r.equations if e.primitive == "dot_general"]
+    assert [e.float8 for e in dots] == ["", "e4m3 x e4m3", "e4m3 x e4m3"]
+    assert "embedding" in dots[0].float8_left
+
+
+def test_float32_regions_and_attention_products_stay_out():
+    params = _mlp_params([256, 512, 512, 512, 256])
+
+    def f(params, x):
+        h = jnp.tanh(x @ params[0])
+        h = jnp.tanh(h @ params[1])
+        h = jmp_rewrite.float32_region(lambda h, w: jnp.tanh(h @ w))(h, params[2])
+        s = jax.nn.softmax(h @ h.T)  # activation x activation: scores
+        return jnp.mean((s @ h) @ params[3])  # scores x values, then the head
+
+    p = jmp_rewrite.paint(f, params, X, dtype=BF16, fp8=jmp_rewrite.Fp8Rules(keep_first=False))
+    dots = p.find("dot_general")
+    assert [e.float8 for e in dots] == ["e4m3 x e4m3", "e4m3 x e4m3", "", "", "", ""]
+    assert dots[2].in_float32_region and dots[2].colour != "allow"
+
+
+# -- the rewritten program: both orders, jit or not ------------------------------------------
+
+
+def _grads_close(params, **kw):
+    ref = jax.grad(mlp)(params, X * 0.3)
+    outs = {}
+    for order in ("grad(rewrite)", "rewrite(grad)"):
+        if order == "grad(rewrite)":
+            fn = jax.grad(jmp_rewrite.rewrite(mlp, dtype=BF16, fp8=True))
+        else:
+            fn = jmp_rewrite.rewrite(jax.grad(mlp), dtype=BF16, fp8=True)
+        for jit in (False, True):
+            got = (jax.jit(fn) if jit else fn)(params, X * 0.3)
+            outs[order, jit] = got
+            for g, r in zip(got, ref, strict=True):
+                assert g.dtype == r.dtype and g.shape == r.shape
+    return ref, outs
+
+
+def test_both_orders_quantize_the_same_gemms():
+    params = _mlp_params([256, 256, 256, 256, 256], seed=3)
+    ref, outs = _grads_close(params)
+    bf16 = jax.jit(jax.grad(jmp_rewrite.rewrite(mlp, dtype=BF16)))(params, X * 0.3)
+    bf = [_rel(g, r) for g, r in zip(bf16, ref, strict=True)]
+    errs = {k: [_rel(g, r) for g, r in zip(got, ref, strict=True)] for k, got in outs.items()}
+    for e in errs.values():
+        assert max(e) < 0.15
+        assert e[1] > 2 * bf[1] and e[2] > 2 * bf[2]  # the middle GEMMs' gradients: float8's
+    # Either order quantizes the same GEMMs: errors of one size (not the same values: a
+    # per-tensor scale computed from a differently rounded cotangent re-rounds everything).
+    for i in range(len(ref)):
+        sizes = [e[i] for e in errs.values()]
+        assert max(sizes) < 1.5 * min(sizes) + 1e-3, (i, errs)
+    # rewrite(grad): 2 selected forward GEMMs, each with its 2 gradient GEMMs in float8
+    p = jmp_rewrite.paint(jax.grad(mlp), params, X, dtype=BF16, fp8=True)
+    got = [e.float8 for e in p.find("dot_general") if e.float8]
+    assert sorted(got) == ["e4m3 x e4m3"] * 2 + ["e5m2 x e4m3"] * 4
+
+
+def test_explain_splits_flops_and_lints_small_gemms():
+    params = _mlp_params([256, 512, 512, 200, 256])
+    r = jmp_rewrite.explain(jmp_rewrite.rewrite(mlp, dtype=BF16, fp8=True), params, X)
+    dots = [e for e in r.equations if e.primitive == "dot_general"]
+    assert [e.float8 for e in dots] == ["", "e4m3 x e4m3", "", ""]
+    assert dots[1].in_dtypes_after == ("float8_e4m3fn", "float8_e4m3fn")
+    assert "first weight GEMM" in dots[0].float8_left and "N=200" in dots[2].float8_left
+    share = dots[1].flops / r.matmul_flops
+    assert r.float8_flops_share == pytest.approx(share)
+    assert f"float8 / bfloat16 / float32: {100 * share:.1f}%" in r.summary()
+    shape = [f for f in r.lint() if f.kind == "float8_shape"]
+    assert len(shape) == 1 and "N=200" in shape[0].message and "layer2" in shape[0].message
+
+
+@pytest.mark.parametrize("tolerance", [0.05, 0.015])
+def test_compare_reports_float8_rounding_per_matmul(tolerance):
+    params = _mlp_params([256, 512, 512, 512, 256])
+    c = jmp_rewrite.compare(mlp, params, X * 0.3, dtype=BF16, fp8=True, tolerance=tolerance)
+    ref = jmp_rewrite.compare(mlp, params, X * 0.3, dtype=BF16, tolerance=tolerance)
+    dots = [e for e in c.equations if e.primitive == "dot_general"]
+    bf16 = [e for e in ref.equations if e.primitive == "dot_general"]
+    assert [e.float8 for e in dots] == ["", "e4m3 x e4m3", "e4m3 x e4m3", ""]
+    for i in (1, 2):  # float8's rounding: several times bf16's on the same matmul
+        assert 0.01 < dots[i].rel_error < 0.15 and dots[i].rel_error > 3 * bf16[i].rel_error
+    worst = max(dots[1].rel_error, dots[2].rel_error)
+    assert f"float8 matmuls: 2; largest relative error {worst:.2e}" in c.summary()
+    # float8 rounding is never blamed on the lists: noted, with the rule that undoes it
+    assert not any(s.key in ("dot_general", "tanh") for s in c.suggestions)
+    assert any("float8" in n for n in c.notes)
+    if tolerance < 0.02:
+        assert any("Fp8Rules(exclude=('layer1',))" in n for n in c.notes)
+
+
+# -- a small GPT trained with float8 --------------------------------------------------------
+
+V, D, T, H, L = 256, 256, 64, 4, 2
+
+
+def gpt_init(key):
+    ks = iter(jax.random.split(key, 4 + 4 * L))
+    p = {
+        "wte": 0.02 * jax.random.normal(next(ks), (V, D)),
+        "wpe": 0.02 * jax.random.normal(next(ks), (T, D)),
+        "head": 0.02 * jax.random.normal(next(ks), (D, V)),
+        "blocks": [],
+    }
+    for _ in range(L):
+        p["blocks"].append(
+            {
+                "qkv": 0.02 * jax.random.normal(next(ks), (D, 3 * D)),
+                "proj": 0.02 * jax.random.normal(next(ks), (D, D)),
+                "fc1": 0.02 * jax.random.normal(next(ks), (D, 4 * D)),
+                "fc2": 0.02 * jax.random.normal(next(ks), (4 * D, D)),
+            }
+        )
+    return p
+
+
+def _ln(x):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+
+def gpt_loss(p, tokens):
+    x = p["wte"][tokens[:, :-1]] + p["wpe"][None]
+    b, t = tokens.shape[0], T
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i, blk in enumerate(p["blocks"]):
+        with jax.named_scope(f"block{i}"):
+            q, k, v = jnp.split(_ln(x) @ blk["qkv"], 3, axis=-1)
+            q, k, v = (z.reshape(b, t, H, D // H) for z in (q, k, v))
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D // H)
+            a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+            o = jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, D)
+            x = x + o @ blk["proj"]
+            x = x + jax.nn.gelu(_ln(x) @ blk["fc1"]) @ blk["fc2"]
+    logits = _ln(x) @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def _train(loss, steps):
+    tx = optax.adam(3e-3)
+    params = gpt_init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (8, T + 1), 0, V)
+
+    @jax.jit
+    def step(params, state):
+        value, g = jax.value_and_grad(loss)(params, tokens)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    state, losses = tx.init(params), []
+    for _ in range(steps):
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    return np.array(losses)
+
+
+def _first_below(losses, level):
+    hits = np.nonzero(losses < level)[0]
+    return int(hits[0]) if hits.size else None
+
+
+def test_small_gpt_selection():
+    p = jmp_rewrite.paint(
+        gpt_loss,
+        gpt_init(jax.random.key(0)),
+        jnp.zeros((8, T + 1), jnp.int32),
+        dtype=BF16,
+        fp8=True,
+    )
+    dots = p.find("dot_general")
+    chosen = [e.scope for e in dots if e.float8]
+    # 4 weight GEMMs per block, less the first (block0's qkv); attention and the head bf16
+    assert chosen == ["block0"] * 3 + ["block1"] * 4
+    assert sum(1 for e in dots if e.half and not e.float8) == 2 * L + 2
+
+
+def test_small_gpt_reaches_bf16_loss_milestones_with_float8():
+    """40 Adam steps memorising one batch (2-layer d=256 GPT, 8 x 64 tokens): float8 on the
+    block GEMMs reaches every loss milestone within max(2 steps, 5%) of bf16's step. (150
+    steps, 2026-11-26, jax 0.10.2 CPU: loss 4 / 2 / 1 / 0.3 / 0.1 / 0.03 at steps 6 / 10 /
+    14 / 18 / 22 / 27 in float32 and bf16, 6 / 11 / 14 / 18 / 23 / 28 with float8.)"""
+    bf16 = _train(jmp_rewrite.rewrite(gpt_loss, dtype=BF16), 40)
+    f8 = _train(jmp_rewrite.rewrite(gpt_loss, dtype=BF16, fp8=True), 40)
+    assert np.all(np.isfinite(f8))
+    for level in (4.0, 2.0, 1.0, 0.3, 0.1):
+        a, b = _first_below(bf16, level), _first_below(f8, level)
+        assert a is not None and b is not None, (level, bf16[-1], f8[-1])
+        assert abs(a - b) <= max(2, 0.05 * a), (level, a, b)
+    assert f8[-1] < 2 * bf16[-1] + 0.05
