@@ -171,15 +171,15 @@ def _false_at_once(layout: Any, atoms: list[Any]) -> bool:
     read |= {a for a in inner.outvars if not jc.is_literal(a)}
     args = []
     for var, atom in zip(inner.invars, atoms, strict=True):
-        if var in read and not jc.is_literal(atom):
+        if jc.is_literal(atom):
+            args.append(jc.literal_value(atom))
+        elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token
             return False
-        aval = var.aval
-        args.append(
-            jc.literal_value(atom) if jc.is_literal(atom) else np.zeros(aval.shape, aval.dtype)
-        )
-    with jax.ensure_compile_time_eval():
+        else:  # a carry the condition does not read
+            args.append(np.zeros(var.aval.shape, var.aval.dtype))
+    with jax.ensure_compile_time_eval():  # concrete, also while a jit traces the program
         (keep_going,) = jc.eval_jaxpr(cond, *args)
-    return not bool(keep_going)
+        return not np.asarray(keep_going).any()
 
 
 def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:

@@ -1,5 +1,9 @@
 """Where values come from, as the painting graph tracks it: copies, constants, state.
 
+A value no float input reaches (computed from constants and integer or boolean values: a
+padding bias built from an ``attention_mask``) is *frozen*, and clamped to the half range when
+cast, as a constant is (see :attr:`Origin.frozen`).
+
 A program input is a *state* when an output of its shape is computed from it linearly and
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step); a
 loop carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value,
