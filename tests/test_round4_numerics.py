@@ -439,12 +439,14 @@ def test_a_cond_output_constant_in_one_branch_only_still_overflows():
 
     def f(x, w, flag):
         y = lax.cond(flag, jnp.exp, lambda x: jnp.full_like(x, 1e30), x)
-        return y @ w
+        return y @ w, y  # y float32 (an output), cast for the half matmul
 
     x, w = jnp.full((4, 4), 12.0), jnp.full((4, 4), 0.25)
     rewritten = jr.rewrite(f, dtype=jnp.float16)
-    assert np.isposinf(np.asarray(rewritten(x, w, True))).all()  # exp(12) > 65504
-    assert np.isfinite(np.asarray(f(x, w, True))).all()
+    mm, y = rewritten(x, w, True)
+    assert np.isposinf(np.asarray(mm)).all()  # exp(12) > 65504
+    np.testing.assert_array_equal(y, jnp.exp(x))
+    assert np.isfinite(np.asarray(f(x, w, True)[0])).all()
     both = lambda x, w, flag: (
         lax.cond(flag, lambda x: jnp.full_like(x, 1e30), jnp.zeros_like, x) @ w
     )  # noqa: E731
@@ -461,7 +463,7 @@ def _layers_scanned(ws, x, am):
 
 
 def _layers_carried(ws, x, am):
-    bias = (1.0 - am[:, None, :]) * jnp.finfo(jnp.float32).min  # handed on as a carry
+    bias = (1.0 - am[:, None, :]) * jnp.finfo(jnp.float32).min  # a carry handed on unchanged
 
     def layer(i, hb):
         h, b = hb
