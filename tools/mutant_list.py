@@ -39,6 +39,7 @@ T_NUM = "tests/test_numerics.py::"
 T_LOOPS = "tests/test_state_in_loops.py::"
 T_LIBS = "tests/test_model_libraries.py::"
 T_FP8 = "tests/test_fp8.py::"
+T_R4 = "tests/test_round4_numerics.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -239,8 +240,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "origins.computed_values_clamped",
         "origins.py",
-        "    const = all(o.const for o in ins)",
-        "    const = any(o.const for o in ins)",
+        "    frozen = all(o.frozen for o in ins)  # integer and boolean values are (graph._scope)",
+        "    frozen = any(o.frozen for o in ins)",
         T_DTYPES + "test_computed_values_overflow_honestly",
         "a value computed from an input and a constant is clamped instead of overflowing",
     ),
@@ -280,7 +281,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.constant_casts_not_clamped",
         "emit.py",
-        "                if _const(rec, 0):\n                    operand = clamp(operand, self.half)",
+        "                if _clamped(rec, 0):\n                    operand = clamp(operand, self.half)",
         "                if False:\n                    operand = clamp(operand, self.half)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
         "[17.4] a retargeted cast of a constant overflows",
@@ -865,5 +866,54 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if True:",
         T_FP8 + "test_both_orders_quantize_the_same_gemms",
         "rewrite(grad(f)) leaves the gradient GEMMs of float8 matmuls in bfloat16",
+    ),
+    # ---- branch masks: issue 21 items 1, 2 and 8 ------------------------------------------------
+    _m(
+        "graph.only_constants_clamped",
+        "graph.py",
+        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.const for o in in_origins)",
+        T_R4 + "test_padded_rows_are_uniform_as_in_float32",
+        "[21.1] a padding bias built from an int mask overflows to -inf: padded rows are NaN",
+    ),
+    _m(
+        "graph.integers_not_frozen",
+        "graph.py",
+        "    if is_float(var.aval.dtype) or o.frozen:",
+        "    if True:",
+        T_R4 + "test_padded_rows_are_uniform_as_in_float32",
+        "[21.1] a bias computed from an integer attention mask is not clamped: NaN rows",
+    ),
+    _m(
+        "origins.cond_frozen_in_one_branch",
+        "origins.py",
+        "        frozen=all(o.frozen for o in origins),  # a constant in one branch only is none",
+        "        frozen=any(o.frozen for o in origins),",
+        T_R4 + "test_a_cond_output_constant_in_one_branch_only_still_overflows",
+        "[21.1] a cond output constant in one branch only is clamped: an overflow is hidden",
+    ),
+    _m(
+        "paint.unrun_carries_painted",
+        "paint.py",
+        '    _keep_float32(g, p, g.unrun_carries, "keep_unrun_loop_carries_float32")',
+        '    _keep_float32(g, p, [], "keep_unrun_loop_carries_float32")',
+        T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
+        "[21.2] a scan of length 0 returns its float32 init rounded through half",
+    ),
+    _m(
+        "graph.while_false_at_once_unknown",
+        "graph.py",
+        "        return not np.asarray(keep_going).any()",
+        "        return False",
+        T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
+        "[21.2] a while loop false at once returns its float32 init rounded through half",
+    ),
+    _m(
+        "paint.cond_output_half_if_any_branch_half",
+        "paint.py",
+        '            if n.key == "<cond-output>" and not all(f in half for f in n.fanin):',
+        '            if n.key == "<cond-output>" and not any(f in half for f in n.fanin):',
+        T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
+        "[21.8] a cond output one branch hands float32 on is rounded when another is half",
     ),
 )

@@ -284,7 +284,7 @@ class Emitter:
         else:
             wanted = [None] * len(eqn.invars)
         return [
-            read(a, d, _const(rec, i))
+            read(a, d, _clamped(rec, i))
             for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True))
         ]
 
@@ -405,7 +405,7 @@ class Emitter:
             operand = read(eqn.invars[0])
             if half:
                 params["new_dtype"] = self.half
-                if _const(rec, 0):
+                if _clamped(rec, 0):
                     operand = clamp(operand, self.half)
             return bind(eqn, [operand], params)
         if accumulates_in_float32(eqn, half):
@@ -413,7 +413,7 @@ class Emitter:
             # readers and outputs get it exactly.
             return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
         invals = [
-            read(a, self.target(node, a.aval.dtype), _const(rec, i))
+            read(a, self.target(node, a.aval.dtype), _clamped(rec, i))
             for i, a in enumerate(eqn.invars)
         ]
         params = dict(eqn.params)
@@ -572,13 +572,34 @@ def _const(rec: EqnRec, i: int) -> bool:
     return bool(rec.const_operands) and rec.const_operands[i]
 
 
+def _clamped(rec: EqnRec, i: int) -> bool:
+    return bool(rec.clamped_operands) and rec.clamped_operands[i]
+
+
+def _fits(src: Any, dtype: Any) -> bool:
+    """Whether every finite value of dtype ``src`` lies in the range of float ``dtype``."""
+    src = np.dtype(src)
+    if src == np.bool_:
+        return True
+    info = jnp.iinfo(src) if jnp.issubdtype(src, jnp.integer) else jnp.finfo(src)
+    half = jnp.finfo(dtype)
+    return float(info.max) <= float(half.max) and float(info.min) >= float(half.min)
+
+
 def clamp(value: Any, dtype: Any) -> Any:
-    """A constant's finite values clamped to the range of the half ``dtype`` (infinities and
-    NaN kept), in its own dtype. A concrete constant (a captured array) is checked and
-    clamped now, once, so nothing is added to the program when it is in range."""
+    """A frozen value's finite values (a constant's, a mask bias's: see ``Origin.frozen``)
+    clamped to the range of the half ``dtype`` (infinities and NaN kept), in its own dtype.
+    A concrete constant (a captured array) is checked and clamped now, once, so nothing is
+    added to the program when it is in range; nor is anything for a dtype within the range
+    (a boolean, an int16)."""
+    if _fits(jnp.result_type(value), dtype):
+        return value
     info = jnp.finfo(dtype)
     lo, hi = float(info.min), float(info.max)
-    if isinstance(value, jax.core.Tracer):  # computed from constants inside the program
+    if isinstance(value, jax.core.Tracer):  # computed inside the program
+        if jnp.issubdtype(jnp.result_type(value), jnp.integer):  # clipped as an integer
+            d = jnp.result_type(value)
+            return lax.clamp(np.asarray(int(lo), d), value, np.asarray(int(hi), d))
         return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
     with jax.ensure_compile_time_eval():
         if isinstance(value, jax.Array):

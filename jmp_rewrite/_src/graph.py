@@ -31,6 +31,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -153,6 +154,34 @@ def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
     return [[] for _ in range(n)]
 
 
+def _discrete(var: Any, o: Origin) -> Origin:
+    """An integer or boolean value is frozen (see :class:`Origin`), wherever it comes from:
+    nothing differentiates through it (``attention_mask``, ``x > 0``, ``argmax(logits)``)."""
+    if is_float(var.aval.dtype) or o.frozen:
+        return o
+    return dataclasses.replace(o, frozen=True)
+
+
+def _false_at_once(layout: Any, atoms: list[Any]) -> bool:
+    """Whether a ``while`` loop's condition is false on its initial values, known when they
+    are literals (``while_loop(lambda c: c[0] < n, body, (0, x))`` with a literal ``n``)."""
+    cond = layout.body("cond")
+    inner = jc.open_jaxpr(cond)
+    read = {a for e in inner.eqns for a in e.invars if not jc.is_literal(a)}
+    read |= {a for a in inner.outvars if not jc.is_literal(a)}
+    args = []
+    for var, atom in zip(inner.invars, atoms, strict=True):
+        if jc.is_literal(atom):
+            args.append(jc.literal_value(atom))
+        elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token
+            return False
+        else:  # a carry the condition does not read
+            args.append(np.zeros(var.aval.shape, var.aval.dtype))
+    with jax.ensure_compile_time_eval():  # concrete, also while a jit traces the program
+        (keep_going,) = jc.eval_jaxpr(cond, *args)
+        return not np.asarray(keep_going).any()
+
+
 def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:
     """Visits every equation of a scope and its sub-scopes, in program order:
     ``step(ctx, eqn, rec)`` returns the context its sub-scopes are visited with."""
@@ -221,10 +250,12 @@ class EqnRec:
     operand_consumers: list[list[int]] = dataclasses.field(default_factory=list)
     xs: list[int | None] = dataclasses.field(default_factory=list)
     ys: list[int | None] = dataclasses.field(default_factory=list)
-    #: per operand: a constant (see :class:`Origin`), clamped when cast to half precision.
+    #: per operand: a constant (see :class:`Origin`).
     const_operands: tuple[bool, ...] = ()
     #: per operand, its :class:`Origin` (float8 tells parameters from activations by it).
     operand_origins: tuple[Origin, ...] = ()
+    #: per operand: frozen (see :class:`Origin`), clamped when cast to half precision.
+    clamped_operands: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass
@@ -260,6 +291,10 @@ class Graph:
         self.input_avals = [v.aval for v in jaxpr.invars]
         #: every float loop carry, as a state of its body (ids after the inputs').
         self.loop_states: list[LoopState] = []
+        #: the carry nodes of loops known when painting to run zero times (a scan of length
+        #: 0, a ``while`` whose condition is false on literal initial values): they hand
+        #: their initial values on (``paint.keep_unrun_loop_carries_float32``).
+        self.unrun_carries: list[int] = []
         self._n_states = len(jaxpr.invars)
         self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)
         #: the program's outputs: (source node or None, origin, aval) each.
@@ -322,7 +357,7 @@ class Graph:
         invars = [*jaxpr.constvars, *jaxpr.invars]
         for var, src, o in zip(invars, in_sources, in_origins, strict=True):
             env[var] = src
-            origins[var] = o
+            origins[var] = _discrete(var, o)
             if is_float(var.aval.dtype):
                 rec.consumers[var] = []
 
@@ -385,10 +420,11 @@ class Graph:
                     self.nodes[erec.node].origin = o
             erec.const_operands = tuple(o.const for o in in_origins)
             erec.operand_origins = tuple(in_origins)
+            erec.clamped_operands = tuple(o.frozen for o in in_origins)
             for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src
-                    origins[var] = o
+                    origins[var] = _discrete(var, o)
             erec.layout = layout if erec.kind != "opaque" else None
             erec.index = self._n_recs
             self._n_recs += 1
@@ -512,11 +548,10 @@ class Graph:
         rec = EqnRec(ho.WHILE, subs={"cond": csub, "body": bsub}, carries=carries)
         rec.operands = cconsts + bconsts + carries
         body = range(first, len(self.nodes))
-        return (
-            carries,
-            rec,
-            self._carry_origins(carries, states, orig["carry"], bouts, bout_origins, body),
-        )
+        out = self._carry_origins(carries, states, orig["carry"], bouts, bout_origins, body)
+        if _false_at_once(layout, atoms["cond_consts"] + atoms["carry"]):
+            out = self._unrun(carries, orig["carry"])
+        return carries, rec, out
 
     def _scan(self, eqn, layout, ins, path, region, unit, in_origins):
         process = not region and unit is None
@@ -550,6 +585,8 @@ class Graph:
         carry_out = self._carry_origins(
             carries, states, orig["carry"], bouts[:ncarry], bout_origins[:ncarry], body
         )
+        if eqn.params.get("length") == 0:
+            carry_out = self._unrun(carries, orig["carry"])
         ys_out = stacked_origins(states, orig["carry"], bout_origins[ncarry:])
         self._set_origins(ynodes, ys_out)
         return carries + ynodes, rec, carry_out + ys_out
@@ -581,6 +618,12 @@ class Graph:
                 cycle = cycles.get(state, frozenset())
                 self.loop_states.append(LoopState(state, node, src, o_out, body, cycle))
         return out
+
+    def _unrun(self, carries, outer):
+        """A loop that runs zero times: its carries hand on what entered them."""
+        self.unrun_carries += [c for c in carries if c is not None]
+        self._set_origins(carries, outer)
+        return list(outer)
 
     def _body(self, layout, role, ins, path, region, unit, origins):
         return self._enter(layout.body(role), ins, f"{path}/{role}/", region, unit, origins)

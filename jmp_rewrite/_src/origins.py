@@ -1,5 +1,9 @@
 """Where values come from, as the painting graph tracks it: copies, constants, state.
 
+A value no float input reaches (computed from constants and integer or boolean values: a
+padding bias built from an ``attention_mask``) is *frozen*, and clamped to the half range when
+cast, as a constant is (see :attr:`Origin.frozen`).
+
 A program input is a *state* when an output of its shape is computed from it linearly and
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step); a
 loop carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value,
@@ -25,8 +29,13 @@ class Origin:
     """What the graph knows of where a value comes from.
 
     Attributes:
-      const: a constant: a literal, a jaxpr const, or computed from constants only (such a
-        value is clamped to the half range when cast, never turned into infinity).
+      const: a constant: a literal, a jaxpr const, or computed from constants only.
+      frozen: computed from constants and integer or boolean values only: no float input
+        (parameter, activation, loss scale, cotangent) reaches it, so nothing differentiates
+        through it and no gradient is one. Such a value is a constant, a mask or a bias
+        built from one (``(1.0 - mask) * finfo(float32).min``, ``where(keep, 0.0, -1e9)``),
+        positions, a one-hot: it is clamped to the half range when cast, never turned into
+        infinity (see ``emit.clamp``), while computed values overflow honestly.
       copy_of: the program input this value is an exact copy of (through calls, loop carries
         passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
       derived: states (program inputs, then loop carries: see :class:`LoopState`) this value
@@ -41,13 +50,14 @@ class Origin:
     """
 
     const: bool = False
+    frozen: bool = False
     copy_of: int | None = None
     derived: frozenset[int] = frozenset()
     updates: frozenset[int] = frozenset()
 
 
 NOWHERE = Origin()
-CONST = Origin(const=True)
+CONST = Origin(const=True, frozen=True)
 #: Primitives that combine an old value with a new one in a state update.
 COMBINES = ("add", "sub", "add_any")
 #: Elementwise primitives whose result is linear in each operand of its shape (a product or
@@ -151,6 +161,7 @@ def select_origin(origins: list[Origin]) -> Origin:
     derived = frozenset().union(*(o.derived for o in origins))
     return Origin(
         const=all(o.const for o in origins),
+        frozen=all(o.frozen for o in origins),  # a constant in one branch only is none
         copy_of=copies.pop() if len(copies) == 1 else None,
         derived=derived,
         updates=frozenset().union(*(o.updates for o in origins)) & derived,
@@ -161,6 +172,7 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
     """The origin of the outputs of a leaf equation on list ``listed`` whose operands have
     origins ``ins``."""
     const = all(o.const for o in ins)
+    frozen = all(o.frozen for o in ins)  # integer and boolean values are (graph._scope)
     floats = [o for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
     copies = {o.copy_of for o in floats}
     copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None
@@ -171,14 +183,14 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         # A clip of an updated state is the state projected (``clip(p - lr * g, lo, hi)``);
         # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
         updates = frozenset().union(*(o.updates for o in ins))
-        return Origin(const=const, copy_of=copy_of, derived=updates, updates=updates)
+        return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=updates, updates=updates)
     if (name in _MOVES or name in _SCATTER_COMBINES) and eqn.outvars:
         per = [o.derived for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
         derived = frozenset().union(*per)
         updates = frozenset().union(*(o.updates for o in ins)) & derived
         if name in _SCATTER_COMBINES:
             updates |= frozenset(j for j in derived if any(j not in d for d in per))
-        return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
+        return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=derived, updates=updates)
     if name in _LINEAR and eqn.outvars:
         shape = getattr(eqn.outvars[0].aval, "shape", None)
         # per operand, the states it hands on (an operand of another shape: none)
@@ -198,7 +210,7 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         if name in COMBINES:
             # old + something else: every state of ``derived`` some operand lacks
             updates |= frozenset(j for j in derived if any(j not in d for d in per))
-    return Origin(const=const, copy_of=copy_of, derived=derived, updates=updates)
+    return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=derived, updates=updates)
 
 
 def loop_result_origins(

@@ -108,6 +108,18 @@ def keep_output_copies_float32(g: Graph, p: Painting) -> None:
     _keep_float32(g, p, ids, "keep_output_copies_float32")
 
 
+def keep_unrun_loop_carries_float32(g: Graph, p: Painting) -> None:
+    """A loop that runs zero times hands its initial carries on unrounded.
+
+    Our addition (TF's loops are never known to run zero times when painting): a scan of
+    length 0 (``fori_loop(0, 0, ...)``, a scan over empty ``xs``) or a ``while`` whose
+    condition is false on literal initial values returns its initial carries. Painted half
+    for the body's sake, a carry would round a float32 value on its way through a loop that
+    never runs; kept float32, it is handed on exact and its half readers cast after it.
+    """
+    _keep_float32(g, p, g.unrun_carries, "keep_unrun_loop_carries_float32")
+
+
 def _asks_float32(eqn: object) -> bool:
     """``precision=HIGHEST``, or an explicit dot algorithm (``DotAlgorithmPreset.F32_F32_F32``,
     a ``DotAlgorithm``): the caller chose the operand and accumulation types itself."""
@@ -491,12 +503,15 @@ def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
     movement of float32 values -- stays float32 when a float32 op (or an output) reads it,
     with the clear ops above it that have no half input either; its half readers cast after
     it instead. As many casts, nothing rounded that was not rounded before.
+
+    A clear op moves half values when a half value reaches it through clear ops painted half
+    from an op computing in half; found by reachability, not in graph order (a ``cond``
+    output's node precedes its branches' nodes, a loop carry its body's). A ``cond`` output
+    moves half values only when every branch hands it one: ``y = cond(flag, lambda h: h,
+    lambda h: h @ w2, exp(x))`` is ``exp(x)`` itself when ``flag`` holds, so read in float32
+    it stays float32 (the matmul's branch casts up, exactly) instead of coming back rounded.
     """
-    copies: set[int] = set()  # clear ops painted half that only move float32 values
-    for n in g.nodes:  # graph order: inputs first (a loop's back edge only makes it miss one)
-        if n.id in p.allow and n.kind == CLEAR:
-            if all(f in copies or f not in p.allow for f in n.fanin):
-                copies.add(n.id)
+    copies = _moves_float32(g, p)  # clear ops painted half that move float32 values
     read_in_float32 = [
         v
         for v in copies
@@ -505,6 +520,25 @@ def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
     for v in _walk_up(g, read_in_float32, lambda n: n.id in copies):
         p.allow.discard(v)
         p.painted_by[v] = "keep_float32_reads_unrounded"
+
+
+def _moves_float32(g: Graph, p: Painting) -> set[int]:
+    """The clear ops painted half that no half value reaches (see
+    :func:`keep_float32_reads_unrounded`): a worklist from the ops computing in half, through
+    clear ops painted half; a ``cond`` output is reached once all its inputs are."""
+    half_clear = {n.id for n in g.nodes if n.id in p.allow and n.kind == CLEAR}
+    half = {n.id for n in g.nodes if n.id in p.allow and n.kind != CLEAR}
+    todo = list(half)
+    while todo:
+        for c in g.nodes[todo.pop()].fanout:
+            n = g.nodes[c]
+            if c not in half_clear or c in half:
+                continue
+            if n.key == "<cond-output>" and not all(f in half for f in n.fanin):
+                continue  # some branch hands on a float32 value
+            half.add(c)
+            todo.append(c)
+    return half_clear - half
 
 
 def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
@@ -543,6 +577,7 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     """
     p = Painting(allow=set(), deny=set(), painted_by={}, changed=True)
     keep_output_copies_float32(g, p)
+    keep_unrun_loop_carries_float32(g, p)
     keep_state_updates_float32(g, p)
     keep_normalization_statistics_float32(g, p)
     release_saturated_powers(g, p)
