@@ -65,21 +65,27 @@ def _less(a: Dim, b: Dim) -> bool | None:
 def size_less(a: Sequence[Dim], b: Sequence[Dim]) -> bool:
     """Whether shape ``a`` has fewer elements than shape ``b`` (an operand broadcast into an
     elementwise op's output). Inconclusive (``[1, 64]`` against ``[b, 64]``): dimension by
-    dimension from the right, as broadcasting aligns them; a dimension of ``a`` that is 1 or
-    smaller where ``b``'s is symbolic or larger is a broadcast. At ``b = 1`` that broadcast
-    is trivial, but the decision it feeds (a float32 tangent rule) is harmless there, while
-    missing a real one would accumulate a bias gradient in half precision."""
+    dimension from the right, as broadcasting aligns them; ``a`` is smaller when one of its
+    dimensions is 1 (or smaller) where ``b``'s is symbolic (or larger), and none is larger.
+    At ``b = 1`` that broadcast is trivial, but the decision it feeds (a float32 tangent
+    rule) is harmless there, while missing a real one would accumulate a bias gradient in
+    half precision."""
     decided = _less(size(a), size(b))
     if decided is not None:
         return decided
-    if len(a) < len(b):
-        return True
+    smaller = len(a) < len(b)
     for x, y in zip(reversed(a), reversed(b), strict=False):
         if x == y:
             continue
-        if (is_static(x) and int(x) == 1) or _less(x, y):
-            return True
-    return False
+        if _is_one(x) or _less(x, y):
+            smaller = True
+        else:  # larger, or neither decided (b against t): not certainly smaller
+            return False
+    return smaller
+
+
+def _is_one(d: Dim) -> bool:
+    return is_static(d) and int(d) == 1
 
 
 def multiple_of(d: Dim, k: int) -> bool | None:
