@@ -40,6 +40,7 @@ T_LOOPS = "tests/test_state_in_loops.py::"
 T_LIBS = "tests/test_model_libraries.py::"
 T_FP8 = "tests/test_fp8.py::"
 T_R4 = "tests/test_round4_numerics.py::"
+T_SYM = "tests/test_symbolic_shapes.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -348,8 +349,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.no_float32_tangents_for_gather",
         "emit.py",
-        "        return not _const(rec, 0)\n    size = eqn.outvars[0].aval.size",
-        "        return False\n    size = eqn.outvars[0].aval.size",
+        "        return not _const(rec, 0)\n    out = eqn.outvars[0].aval.shape",
+        "        return False\n    out = eqn.outvars[0].aval.shape",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
         "[17.5] grad(rewrite(f)) accumulates an embedding gradient in half",
     ),
@@ -915,5 +916,56 @@ MUTANTS: tuple[Mutant, ...] = (
         '            if n.key == "<cond-output>" and not any(f in half for f in n.fanin):',
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
         "[21.8] a cond output one branch hands float32 on is rounded when another is half",
+    ),
+    # ---- branch symbolic (issue 24): shape decisions safe with symbolic dimensions ----------
+    _m(
+        "emit.broadcast_size_compared_raw",
+        "emit.py",
+        "and not _const(rec, i) and shapes.size_less(a.aval.shape, out)",
+        "and not _const(rec, i) and a.aval.size < eqn.outvars[0].aval.size",
+        T_SYM + "test_symbolic_shapes_paint_as_concrete_ones",
+        "x @ w + b at a symbolic batch raises InconclusiveDimensionOperation (the issue)",
+    ),
+    _m(
+        "shapes.size_one_not_a_broadcast",
+        "shapes.py",
+        "        if _is_one(x) or _less(x, y):",
+        "        if _less(x, y):",
+        T_SYM + "test_symbolic_shapes_paint_as_concrete_ones",
+        "a bias [1, n] added over a symbolic batch gets no float32 tangents: its gradient "
+        "is summed in half precision",
+    ),
+    _m(
+        "higher_order.scan_length_int",
+        "higher_order.py",
+        'length=lambda p: shapes.dim(p["length"]),',
+        'length=lambda p: int(p["length"]),',
+        T_SYM + "test_explain_symbolic_sequence_and_scan_length",
+        "a scan over a symbolic sequence length raises while its layout is read",
+    ),
+    _m(
+        "explain.flops_share_divided_raw",
+        "explain.py",
+        "        return shapes.ratio(sum(e.flops for e in self.equations if e.half), "
+        "self.matmul_flops)",
+        "        return sum(e.flops for e in self.equations if e.half) / (self.matmul_flops or 1)",
+        T_SYM + "test_explain_counts_symbolic_shapes_as_expressions",
+        "explain's FLOP share divides symbolic counts (raises outside jax.export)",
+    ),
+    _m(
+        "explain.residual_bytes_int",
+        "explain.py",
+        "    return shapes.dim(sum(shapes.size(s.shape)",
+        "    return int(sum(shapes.size(s.shape)",
+        T_SYM + "test_explain_counts_symbolic_shapes_as_expressions",
+        "explain's residual bytes at a symbolic batch raise (int of an expression)",
+    ),
+    _m(
+        "explain_view.tensor_core_symbolic_flagged",
+        "explain_view.py",
+        "shape_lib.multiple_of(d, TENSOR_CORE_MULTIPLE) is False",
+        "d % TENSOR_CORE_MULTIPLE",
+        T_SYM + "test_explain_symbolic_sequence_and_scan_length",
+        "the tensor-core lint flags a symbolic sequence length as not a multiple of 8",
     ),
 )

@@ -30,6 +30,7 @@ from jax import lax
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src import shapes
 from jmp_rewrite._src.graph import (
     SCATTER_REBUILDERS,
     EqnRec,
@@ -536,9 +537,9 @@ def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
         return False
     if eqn.primitive.name == "gather":
         return not _const(rec, 0)
-    size = eqn.outvars[0].aval.size
+    out = eqn.outvars[0].aval.shape
     return any(
-        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size < size
+        is_float(a.aval.dtype) and not _const(rec, i) and shapes.size_less(a.aval.shape, out)
         for i, a in enumerate(eqn.invars)
     )
 

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_rewrite._src import explain_html, explain_view, source_info
+from jmp_rewrite._src import explain_html, explain_view, shapes, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src.emit import Emitter, Hooks
@@ -147,15 +147,13 @@ class Report:
         Matmuls inside float32 regions count, as float32: they run in float32
         (:attr:`region_flops` says how much of the rest that is).
         """
-        total = self.matmul_flops
-        return None if total == 0 else sum(e.flops for e in self.equations if e.half) / total
+        return shapes.ratio(sum(e.flops for e in self.equations if e.half), self.matmul_flops)
 
     @property
     def float8_flops_share(self) -> float | None:
         """Share of all dot_general/conv FLOPs run in float8 (``fp8=True``; part of
         :attr:`half_flops_share`); None without any matmul."""
-        total = self.matmul_flops
-        return None if total == 0 else sum(e.flops for e in self.equations if e.float8) / total
+        return shapes.ratio(sum(e.flops for e in self.equations if e.float8), self.matmul_flops)
 
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
@@ -184,21 +182,26 @@ class Report:
         if self.residual_bytes_float32 is not None:
             lines.append(
                 "bytes saved for the backward pass: "
-                f"{self.residual_bytes_float32:,} (float32) -> "
-                f"{self.residual_bytes_rewritten:,} (rewritten)"
+                f"{shapes.fmt(self.residual_bytes_float32)} (float32) -> "
+                f"{shapes.fmt(self.residual_bytes_rewritten)} (rewritten)"
             )
         return "\n".join(lines)
 
     def _flops_words(self) -> str:
         share, total, region = self.half_flops_share, self.matmul_flops, self.region_flops
-        if share is None:
+        if shapes.is_zero(total):
             return "none (no matmul or convolution)"
-        pct = f"{100 * share:.1f}"
-        if pct == "100.0" and share < 1:  # not all of it: say how much is missing
-            pct = f"{100 * share:.3f}".rstrip("0")
-        words = f"{pct}% of {total:,}"
-        if region:
-            words += f" ({region:,} in float32 regions, float32 on request)"
+        if share is None:  # a share that depends on symbolic dimensions: both counts
+            half = sum(e.flops for e in self.equations if e.half)
+            words = f"{shapes.fmt(half)} of {shapes.fmt(total)}"
+            words += " (the share depends on the symbolic dimensions)"
+        else:
+            pct = f"{100 * share:.1f}"
+            if pct == "100.0" and share < 1:  # not all of it: say how much is missing
+                pct = f"{100 * share:.3f}".rstrip("0")
+            words = f"{pct}% of {shapes.fmt(total)}"
+        if not shapes.is_zero(region):
+            words += f" ({shapes.fmt(region)} in float32 regions, float32 on request)"
         return words
 
     # -- rendering ------------------------------------------------------------------------
@@ -344,11 +347,11 @@ class Report:
                 "casts": len(self.casts),
                 "half_flops_share": self.half_flops_share,
                 "float8_flops_share": self.float8_flops_share,
-                "residual_bytes_float32": self.residual_bytes_float32,
-                "residual_bytes_rewritten": self.residual_bytes_rewritten,
+                "residual_bytes_float32": shapes.jsonable(self.residual_bytes_float32),
+                "residual_bytes_rewritten": shapes.jsonable(self.residual_bytes_rewritten),
             },
             "per_primitive": self.per_primitive(),
-            "equations": [dataclasses.asdict(e) for e in self.equations],
+            "equations": [shapes.jsonable(dataclasses.asdict(e)) for e in self.equations],
             "casts": [dataclasses.asdict(c) for c in self.casts],
         }
 
@@ -471,10 +474,10 @@ def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
         return jax.tree.leaves(vjp_fn)
 
     try:
-        shapes = jax.eval_shape(residuals, *args)
+        leaves = jax.eval_shape(residuals, *args)
     except Exception:  # not differentiable (ints, a whole train step, ...): no figure
         return None
-    return int(sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in shapes))
+    return shapes.dim(sum(shapes.size(s.shape) * np.dtype(s.dtype).itemsize for s in leaves))
 
 
 def explain(

@@ -19,6 +19,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
+from jmp_rewrite._src import shapes as shape_lib
 from jmp_rewrite._src import source_info as si
 from jmp_rewrite._src.emit import ACCUMULATING
 from jmp_rewrite._src.op_lists import REASONS
@@ -106,7 +107,7 @@ class GroupStats:
     @property
     def half_flops_share(self) -> float | None:
         """None when there are no matmul/conv FLOPs."""
-        return self.half_flops / self.flops if self.flops else None
+        return shape_lib.ratio(self.half_flops, self.flops)
 
     def add(self, other: GroupStats) -> None:
         for f in dataclasses.fields(self):
@@ -272,7 +273,12 @@ def lint(report: Report) -> list[Finding]:
     for e in report.equations:
         if not e.half or not e.tensor_dims:
             continue
-        bad = tuple((n, d) for n, d in e.tensor_dims if d % TENSOR_CORE_MULTIPLE)
+        # A symbolic dimension (a batch, a sequence) may be any multiple: not flagged.
+        bad = tuple(
+            (n, d)
+            for n, d in e.tensor_dims
+            if shape_lib.multiple_of(d, TENSOR_CORE_MULTIPLE) is False
+        )
         if bad:
             odd.setdefault((e.scope, e.source, e.primitive, e.phase, bad), []).append(e)
     for (scope, source, prim, phase, bad), eqs in odd.items():
@@ -298,7 +304,7 @@ def lint(report: Report) -> list[Finding]:
                 change=f"pad or resize: {fix}",
             )
         )
-    findings.sort(key=lambda f: -f.flops)
+    findings.sort(key=lambda f: shape_lib.descending(f.flops))
     released: dict[str, list[EquationReport]] = collections.defaultdict(list)
     for e in report.equations:
         for key in e.released_by:
@@ -330,7 +336,7 @@ def lint(report: Report) -> list[Finding]:
                 risk=risk.strip("; "),
             )
         )
-    chains.sort(key=lambda f: -f.bytes)
+    chains.sort(key=lambda f: shape_lib.descending(f.bytes))
     return _half_carries(report) + findings + _float8_shapes(report) + chains
 
 
@@ -397,6 +403,8 @@ def _half_carries(report: Report) -> list[Finding]:
 
 
 def _fmt_bytes(n: float) -> str:
+    if not shape_lib.is_static(n):  # symbolic shapes: the expression
+        return f"{n} B"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -405,6 +413,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _fmt_flops(n: float) -> str:
+    if not shape_lib.is_static(n):
+        return str(n)
     for unit in ("", "k", "M", "G", "T"):
         if n < 1000 or unit == "T":
             return f"{n:.0f}" if not unit else f"{n:.1f}{unit}"

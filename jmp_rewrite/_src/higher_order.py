@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import shapes
 
 #: Kinds: how the rewrite treats the equation.
 CALL = "call"  # a function call: the body is inlined into the painting graph
@@ -94,7 +95,7 @@ PRIMITIVES: dict[str, HigherOrder] = {
         SCAN,
         (("body", "jaxpr"),),
         _scan_groups,
-        length=lambda p: int(p["length"]),
+        length=lambda p: shapes.dim(p["length"]),
         reverse=lambda p: bool(p.get("reverse", False)),
     ),
 }
@@ -116,7 +117,7 @@ class Layout:
     kind: str
     bodies: dict[str, Any]
     groups: Groups
-    length: int = 1
+    length: int = 1  # a symbolic expression for a scan over a symbolic dimension
     reverse: bool = False
 
     def split(self, values: Sequence[Any]) -> dict[str, list[Any]]:
