@@ -38,6 +38,8 @@ T_LSO = "tests/test_loss_scale_optimizer.py::"
 T_NUM = "tests/test_numerics.py::"
 T_LOOPS = "tests/test_state_in_loops.py::"
 T_LIBS = "tests/test_model_libraries.py::"
+T_PINS = "tests/test_behaviour_pins.py::"
+T_ORACLE = "tests/test_oracle.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -689,5 +691,66 @@ MUTANTS: tuple[Mutant, ...] = (
         '        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]',
         T_LOOPS + "test_state_scanned_in_and_stacked_out_is_updated_in_float32",
         "a per-layer running mean scanned in and stacked out is updated in half",
+    ),
+    # ---- branch generator (issue 22): behaviours no test pinned; the new tests catch them -----
+    _m(
+        "origins.cond_const_if_one_branch_is",
+        "origins.py",
+        "        const=all(o.const for o in origins),",
+        "        const=any(o.const for o in origins),",
+        T_PINS + "test_a_cond_output_constant_in_one_branch_only_overflows_honestly",
+        "a cond output constant in one branch only is clamped: a real overflow is hidden",
+        survives="not observable on this code: a cond output read by a half op is painted half "
+        "(propagate_allow_through_clear), so the cast happens at each branch's end, where no "
+        "constness is consulted; observable once a cond output can stay float32 (issue 21 "
+        "item 8's fix), which the test then covers",
+    ),
+    _m(
+        "origins.square_is_linear",
+        "origins.py",
+        "            derived = per[0] ^ per[1]  # old * old is not linear in old",
+        "            derived = per[0] | per[1]  # old * old is not linear in old",
+        T_PINS + "test_a_carry_squared_into_its_update_is_no_linear_state",
+        "c' = 0.5 * c * c + step is kept float32 as if it were linear state",
+    ),
+    _m(
+        "origins.reach_one_link_only",
+        "origins.py",
+        "                    todo.append(t)",
+        "                    pass",
+        T_PINS + "test_carries_updating_each_other_in_a_cycle_of_three_or_four_are_state",
+        "carries updating each other in a cycle of three or more are rounded every iteration",
+    ),
+    _m(
+        "paint.division_not_an_increment",
+        "paint.py",
+        '    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}',
+        '    {"add", "sub", "add_any", "neg", "mul", "convert_element_type", "select_n"}',
+        T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
+        "an increment's division (y + k / 100, dt / 6 * k) is rounded to half",
+    ),
+    _m(
+        "origins.cond_result_no_update",
+        "origins.py",
+        "        updates=frozenset().union(*(o.updates for o in origins)) & derived,",
+        "        updates=frozenset(),",
+        T_PINS + "test_an_sgd_step_inside_a_cond_read_by_a_matmul_stays_float32",
+        "an SGD step inside a cond whose result a matmul reads is rounded to half",
+    ),
+    _m(
+        "emit.same_shape_products_float32_tangents",
+        "emit.py",
+        "        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size < size",
+        "        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size <= size",
+        T_PINS + "test_float32_tangents_only_for_a_half_product_that_broadcasts",
+        "every half product gets float32 tangents: the backward of same-shape products is float32",
+    ),
+    _m(
+        "emit.scan_ys_stacked_float32",
+        "emit.py",
+        '        y_dtypes = em.carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[layout.size("carry") :]])',
+        '        y_dtypes = [v.aval.dtype for v in eqn.outvars[layout.size("carry") :]]',
+        T_PINS + "test_a_scans_stacked_outputs_painted_half_are_stored_half",
+        "a scan's stacked outputs painted half are stacked in float32 (twice the memory)",
     ),
 )
