@@ -156,6 +156,15 @@ class Program:
                 names.update(_state_names(i, blk))
         return frozenset(names)
 
+    def linear_states(self) -> frozenset[str]:
+        """State outputs updated linearly from themselves (every update but ``square``): the
+        README's state, which the rewrite updates in float32."""
+        names = set()
+        for i, blk in enumerate(self.blocks):
+            if isinstance(blk, State) and blk.update != "square":
+                names.update(_state_names(i, blk))
+        return frozenset(names)
+
 
 def _state_untouched(blk: State) -> bool:
     if blk.carrier == "cond":
@@ -239,7 +248,8 @@ def _copy(i: int, blk: Copy, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array
         const = jnp.asarray(np.full(src.shape, 0.5, np.float32))
         y = lax.cond(_flag(p, True), lambda v: v, lambda v: const.astype(v.dtype), src)
     elif route == "scan0":
-        y = lax.scan(lambda c, _: (jnp.tanh(c @ c.T @ c), None), src, None, length=0)[0]
+        layer = lambda c: jnp.tanh(c.reshape(-1, D) @ p["w"][blk.k]).reshape(c.shape)  # noqa: E731
+        y = lax.scan(lambda c, _: (layer(c), None), src, None, length=0)[0]
     else:  # carried unchanged beside a matmul layer
         body = lambda _, c: (c[0], jnp.tanh(c[1] @ p["w"][blk.k]))  # noqa: E731
         y = lax.fori_loop(0, 3, body, (src, h))[0]
@@ -344,7 +354,12 @@ def _state(i: int, blk: State, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Arr
         for leaf in jax.tree.leaves(unit):
             outs[next(names)] = leaf
     if blk.feed:
-        h = (h * jax.tree.leaves(units[0])[0].reshape(-1)) @ w
+        first = units[0]
+        if isinstance(first, dict):  # the raveled pytree: its vector again
+            first = jnp.concatenate([first["a"], first["b"].reshape(-1)])
+        elif isinstance(first, tuple):  # Adam: the parameters
+            first = first[0]
+        h = (h * first) @ w
     return h, outs
 
 
@@ -448,8 +463,12 @@ def transformed(
                 train = {k: p[k] for k in trainable}
                 rest = {k: v for k, v in p.items() if k not in trainable}
                 (value, outs), grads = fun(train, rest)
-                flat = {f"grad_{k}": v for k, v in grads.items() if k != "w"}
-                flat.update({f"grad_w{j}": v for j, v in enumerate(grads["w"])})
+                flat = {}
+                for k, v in grads.items():
+                    if isinstance(v, list):  # the weights, the states
+                        flat.update({f"grad_{k}{j}": leaf for j, leaf in enumerate(v)})
+                    else:
+                        flat[f"grad_{k}"] = v
                 return {**outs, "loss": value, **flat}
 
             return run

@@ -1,6 +1,47 @@
 """Issue 22: generated programs (``tests/program_gen.py``) against a float64 oracle.
 
-ORACLE_DOC_PLACEHOLDER
+Every program is run five ways, each compiled once and called on ``DRAWS`` input draws:
+
+* **float32**, as written;
+* **float64**, the truth: the same code under ``jax.enable_x64(True)`` (a context manager on
+  both JAX ends; the flag is restored on exit, so nothing leaks into other tests) on the
+  inputs cast to float64;
+* **the rewrite**, ``rewrite(f, dtype=float16 | bfloat16)``, inside or outside the program's
+  transform (``grad(rewrite(f))`` and ``rewrite(grad(f))``, likewise ``vmap``);
+* **the reference policy**, what a careful hand-written mixed-precision model does: only the
+  allow list (``dot_general``, ``conv_general_dilated``, fused attention) in half, every other
+  op float32. Implemented with the library's own machinery, ``rewrite(f, lists=
+  OpLists(allow=default_lists(dtype).allow))``: every other op is unlisted, so float32, and
+  each matmul casts its operands to half and its result back;
+* **the rewrite of the rewrite**, ``rewrite(rewrite(f))``.
+
+No expectation is written by hand. Per output, the oracle asserts:
+
+1. the output tree, dtypes and shapes are the float32 program's;
+2. rewriting twice gives the same bits as rewriting once (first draw);
+3. an output that hands on a float32 value (``Program.exact``: an input or a view of one,
+   ``exp`` of one, through calls, a ``cond``, a zero-trip loop, a carry passed on unchanged,
+   a state whose loop ran zero times or whose ``cond`` did not update it) is bit-exact, in
+   the rewrite and in the reference;
+4. the rewrite creates no inf/NaN: every element finite in float32 *and* in the reference
+   is finite in the rewrite (a value that overflows half in the reference, as by hand, may
+   overflow in the rewrite too);
+5. its error is bounded by the reference's: with ``e = ||y - y64|| / ||y64||`` over the
+   elements finite in float64, float32 and the reference, medians over the draws,
+   ``e_rewrite <= FACTOR * e_reference + SLACK * u`` (``u``: the half type's unit roundoff,
+   2^-11 float16, 2^-8 bfloat16). The slack pays for the roundings the rewrite adds by
+   design: it keeps activations, sums and outputs in half between matmuls where the
+   reference casts back to float32 after each (a chain of infer ops, one rounding each).
+   Outputs the reference itself gets wrong by more than ``ILL_CONDITIONED`` (relative) are
+   not compared: half precision cannot compute them and both errors are noise.
+
+CALIBRATION_PLACEHOLDER
+
+The round-4 bugs this code still has (issue 21) are listed in :data:`KNOWN_BUGS`; a problem
+they explain does not fail the generated-program test, and each has a shrunk counterexample
+below, marked ``xfail(strict=True)`` until its fix merges. In CI (profile ``ci``) the test
+runs ``EXAMPLES`` derandomized programs per dtype, unshrunk (about 2.5 s of CPU each);
+``HYPOTHESIS_PROFILE=long`` runs 200 per dtype, new ones each run, shrinking a failure.
 """
 
 from __future__ import annotations
@@ -16,7 +57,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from program_gen import Attention, Copy, Program, programs, transformed
+from program_gen import Attention, Copy, Program, State, programs, transformed
 
 import jmp_rewrite
 
@@ -25,8 +66,9 @@ pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 F16, BF16 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
 UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
-FACTOR = 4.0  # the rewrite's error may be FACTOR x the reference policy's ...
-SLACK = 4.0  # ... plus SLACK unit roundoffs (relative to the output's norm)
+FACTOR = 2.0  # the rewrite's error may be FACTOR x the reference policy's ...
+SLACK = 1.0  # ... plus SLACK unit roundoffs (relative to the output's norm)
+STATE_SLACK = 0.25  # for state (Program.linear_states): updated in float32, never rounded
 ILL_CONDITIONED = 0.25  # no error bound where the reference is this far off (relative)
 DRAWS = 4  # input draws per program (compiled once per version)
 
@@ -87,7 +129,7 @@ def judge(program: Program, dtype: Any, out: dict[str, list[dict]]) -> Verdict:
     u = UNIT_ROUNDOFF[np.dtype(dtype)]
     problems: dict[str, str] = {}
     errors: dict[str, tuple[float, float]] = {}
-    exact = program.exact()
+    exact, states = program.exact(), program.linear_states()
     ref32 = out["f32"][0]
     if jax.tree.structure(out["rw"][0]) != jax.tree.structure(ref32):
         return Verdict({"tree": "output structure changed"}, {})
@@ -137,10 +179,11 @@ def judge(program: Program, dtype: Any, out: dict[str, list[dict]]) -> Verdict:
         errors[name] = (float(e_rw), float(e_ref))
         if e_ref > ILL_CONDITIONED:
             continue
-        if e_rw > FACTOR * e_ref + SLACK * u:
+        slack = STATE_SLACK if name in states else SLACK
+        if e_rw > FACTOR * e_ref + slack * u:
             problems[name] = (
                 f"{name}: rewrite {e_rw:.3g} off float64 (relative, median of {len(errs)} "
-                f"draws) > {FACTOR} x reference {e_ref:.3g} + {SLACK} u ({SLACK * u:.3g})"
+                f"draws) > {FACTOR} x reference {e_ref:.3g} + {slack} u ({slack * u:.3g})"
             )
     return Verdict(problems, errors)
 
@@ -183,6 +226,12 @@ def _vjp_closure(program: Program, name: str, problem: str) -> bool:
     )
 
 
+def _vmapped_state(program: Program, name: str, problem: str) -> bool:
+    return (
+        program.transform == "vmap_inner" and name.startswith("state") and "off float64" in problem
+    )
+
+
 #: The round-4 bugs this branch still has (issue 21; fixed on other branches): a problem one
 #: of these explains does not fail the generated-program test (each has an xfail regression
 #: test below). Delete an entry once its fix has merged; the test then fails on it again.
@@ -193,6 +242,8 @@ KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
     "issue 21 item 8 (a float32 value leaving a cond is rounded)": _copy_through(
         ("cond_ones", "cond_const")
     ),
+    "issue 22 (found here): under rewrite(vmap(f)), a state update batched from an unbatched "
+    "state is not of the input's shape, so no state: rounded in bfloat16": _vmapped_state,
 }
 
 
@@ -273,6 +324,15 @@ COUNTEREXAMPLES = [
     pytest.param(Program((Copy("x", "cond_ones"),)), BF16, id="item8-cond-bf16", marks=_xfail(8)),
     pytest.param(
         Program((Copy("exp_x", "cond_ones"),)), F16, id="item8-cond-exp-f16", marks=_xfail(8)
+    ),
+    # found by the generator, not fixed yet: rewrite(vmap(sgd step)) with the state unbatched
+    # (shape [D] in, [2, D] out: no state by the shape rule): the step is rounded in bfloat16,
+    # 0.46u off float64 where the reference is 0.002u
+    pytest.param(
+        Program((State("sgd", "step"),), transform="vmap_inner"),
+        BF16,
+        id="vmapped-state-bf16",
+        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
     ),
 ]
 

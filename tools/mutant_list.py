@@ -753,4 +753,65 @@ MUTANTS: tuple[Mutant, ...] = (
         T_PINS + "test_a_scans_stacked_outputs_painted_half_are_stored_half",
         "a scan's stacked outputs painted half are stacked in float32 (twice the memory)",
     ),
+    # ---- branch generator (issue 22, item 4): bugs planted by someone who did not write the
+    # code, on lines no mutant above touches; scored separately (README, Development) --------
+    _m(
+        "paint.scalar_array_scaling_is_a_product",
+        "paint.py",
+        '    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))',
+        "    return sum(1 for a in n.eqn.invars if not jc.is_literal(a))",
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "a learning rate passed as a scalar array (lr * g) counts as a product: the step is "
+        "rounded to half",
+    ),
+    _m(
+        "paint.statistics_only_right_after_a_reduction",
+        "paint.py",
+        "            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)",
+        "            leads[u] = n.key in _REDUCTIONS",
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "rsqrt(var + eps) is no statistic (an add between it and the reduction): bf16 layer "
+        "norm statistics in half",
+    ),
+    _m(
+        "paint.allow_through_ineligible_clear",
+        "paint.py",
+        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))",
+        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR)",
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "pass 5 spreads allow through clear ops kept float32 or painted deny",
+    ),
+    _m(
+        "origins.infer_of_an_input_is_a_copy",
+        "origins.py",
+        '    copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None',
+        "    copy_of = copies.pop() if len(copies) == 1 and floats else None",
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "tanh(x) or 2 * x counts as a copy of the input x, kept float32 as if handed on",
+    ),
+    _m(
+        "origins.linear_in_itself_is_recurrent",
+        "origins.py",
+        "        for s in updates[t] & set(local):",
+        "        for s in derived[t] & set(local):",
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "a carry only placed into or scaled (a KV cache) counts as a recurrence, kept float32",
+    ),
+    _m(
+        "graph.remat_forward_is_backward",
+        "graph.py",
+        '    return (outer or "transpose(" in stack) and "rematted_computation" not in stack',
+        '    return outer or "transpose(" in stack',
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "a forward rematerialised inside the backward pass is painted as backward (fused units "
+        "split)",
+    ),
+    _m(
+        "op_lists.exp2_infer",
+        "op_lists.py",
+        '_def_deny("no TF op: 2**x overflows like Exp", "exp2")',
+        '_def_infer("no TF op: 2**x overflows like Exp", "exp2")',
+        T_ORACLE + "test_generated_programs_against_the_oracle",
+        "2**x is infer: it overflows half where float32 does not",
+    ),
 )
