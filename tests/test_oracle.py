@@ -66,8 +66,8 @@ pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 F16, BF16 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
 UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
-FACTOR = 2.0  # the rewrite's error may be FACTOR x the reference policy's ...
-SLACK = 1.0  # ... plus SLACK unit roundoffs (relative to the output's norm)
+FACTOR = 3.0  # the rewrite's error may be FACTOR x the reference policy's ...
+SLACK = 2.0  # ... plus SLACK unit roundoffs (relative to the output's norm)
 STATE_SLACK = 0.25  # for state (Program.linear_states): updated in float32, never rounded
 ILL_CONDITIONED = 0.25  # no error bound where the reference is this far off (relative)
 DRAWS = 4  # input draws per program (compiled once per version)
