@@ -152,8 +152,10 @@ def euler_div(y: jax.Array, w: jax.Array, dt: jax.Array) -> jax.Array:
 def test_an_increment_with_a_division_is_kept_float32_with_its_state(dtype):
     y, w, dt = 1.0 + f32(0, 8, 16, scale=0.1), f32(1, 16, 16, scale=0.25), jnp.float32(0.03)
     paint = jmp_rewrite.paint(euler_div, y, w, dt, dtype=dtype)
-    divs = paint.find("div")
+    divs, muls = paint.find("div"), paint.find("mul")
     assert len(divs) == 2 and not any(e.half for e in divs), [(e.path, e.colour) for e in divs]
+    # dt / 6 * k: a scaling by a scalar array (a step size, a scheduled learning rate)
+    assert muls and not any(e.half for e in muls), [(e.path, e.colour) for e in muls]
     assert carry_colours(euler_div, y, w, dt, dtype=dtype) == ["float32"]
     got = jmp_rewrite.rewrite(euler_div, dtype=dtype)(y, w, dt)
     ref = euler_div(y, w, dt)
@@ -239,3 +241,24 @@ def test_a_scans_stacked_outputs_painted_half_are_stored_half(dtype):
     assert [np.dtype(v.aval.dtype) for v in ys] == [np.dtype(dtype)]
     got = jmp_rewrite.rewrite(stacked, dtype=dtype)(h, ws, w2)
     assert got.dtype == jnp.float32 and rel(got, stacked(h, ws, w2)) < 16 * U[dtype]
+
+
+# ------------------------------------------------------------------------------------------
+# A planted bug the suite missed (issue 22, item 4): 2**x is deny, as Exp
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["rewrite", "grad_rewrite"])
+def test_exp2_after_a_half_matmul_stays_float32(order):
+    """``2 ** (x @ w)`` overflows float16 beyond 16 where float32 goes on to 128: ``exp2`` is
+    deny like ``exp``, so the power is taken in float32 from the half matmul's result."""
+    x, w = f32(0, 8, 16, scale=3.0), f32(1, 16, 16, scale=1.0)
+    f = lambda x, w: jnp.sum(jnp.exp2(x @ w)) * 1e-9  # noqa: E731
+    assert float(jnp.max(x @ w)) > 17 and np.isfinite(f(x, w))
+    (e,) = jmp_rewrite.paint(f, x, w, dtype=F16).find("exp2")
+    assert not e.half
+    if order == "rewrite":
+        got, ref = jmp_rewrite.rewrite(f, dtype=F16)(x, w), f(x, w)
+    else:
+        got, ref = jax.grad(jmp_rewrite.rewrite(f, dtype=F16), 1)(x, w), jax.grad(f, 1)(x, w)
+    assert np.isfinite(got).all() and rel(got, ref) < 0.1

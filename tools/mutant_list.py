@@ -39,7 +39,6 @@ T_NUM = "tests/test_numerics.py::"
 T_LOOPS = "tests/test_state_in_loops.py::"
 T_LIBS = "tests/test_model_libraries.py::"
 T_PINS = "tests/test_behaviour_pins.py::"
-T_ORACLE = "tests/test_oracle.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -760,7 +759,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "paint.py",
         '    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))',
         "    return sum(1 for a in n.eqn.invars if not jc.is_literal(a))",
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
         "a learning rate passed as a scalar array (lr * g) counts as a product: the step is "
         "rounded to half",
     ),
@@ -769,7 +768,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "paint.py",
         "            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)",
         "            leads[u] = n.key in _REDUCTIONS",
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        T_INV + "test_item2_batch_statistics_are_float32",
         "rsqrt(var + eps) is no statistic (an add between it and the reduction): bf16 layer "
         "norm statistics in half",
     ),
@@ -778,7 +777,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "paint.py",
         "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))",
         "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR)",
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        (
+            T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
+            T_DTYPES + "test_a_call_operand_read_by_half_and_float32_ops_reaches_both_exactly",
+            T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
+        ),
         "pass 5 spreads allow through clear ops kept float32 or painted deny",
     ),
     _m(
@@ -786,7 +789,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "origins.py",
         '    copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None',
         "    copy_of = copies.pop() if len(copies) == 1 and floats else None",
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        (T_LOOPS + "test_item5_nonlinear_function_of_an_input_is_no_state_update", T_TF),
         "tanh(x) or 2 * x counts as a copy of the input x, kept float32 as if handed on",
     ),
     _m(
@@ -794,7 +797,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "origins.py",
         "        for s in updates[t] & set(local):",
         "        for s in derived[t] & set(local):",
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        T_LOOPS + "test_a_cache_written_by_placement_is_no_state_that_accumulates",
         "a carry only placed into or scaled (a KV cache) counts as a recurrence, kept float32",
     ),
     _m(
@@ -802,7 +805,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph.py",
         '    return (outer or "transpose(" in stack) and "rematted_computation" not in stack',
         '    return outer or "transpose(" in stack',
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        (
+            T_LOOPS + "test_item4_log_softmax_gradient_is_float32",
+            T_REWRITE + "test_checkpoint_body_is_rewritten_and_grad_matches",
+        ),
         "a forward rematerialised inside the backward pass is painted as backward (fused units "
         "split)",
     ),
@@ -811,7 +817,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "op_lists.py",
         '_def_deny("no TF op: 2**x overflows like Exp", "exp2")',
         '_def_infer("no TF op: 2**x overflows like Exp", "exp2")',
-        T_ORACLE + "test_generated_programs_against_the_oracle",
+        T_PINS + "test_exp2_after_a_half_matmul_stays_float32",
         "2**x is infer: it overflows half where float32 does not",
     ),
 )
