@@ -262,3 +262,20 @@ def test_exp2_after_a_half_matmul_stays_float32(order):
     else:
         got, ref = jax.grad(jmp_rewrite.rewrite(f, dtype=F16), 1)(x, w), jax.grad(f, 1)(x, w)
     assert np.isfinite(got).all() and rel(got, ref) < 0.1
+
+
+@DTYPES
+def test_a_float32_region_that_starts_with_a_clear_op_stays_float32(dtype):
+    """``float32_region(lambda h: cumsum(h.T) / 7)(x @ w)``: the region's first op, a clear
+    transpose, reads a half matmul; it is not painted with it (pass 5 stops at ops taken out
+    of painting), and the region runs in float32 as asked."""
+
+    def f(x, w):
+        region = jmp_rewrite.float32_region(lambda h: jnp.cumsum(h.T, axis=1) / 7.0)
+        return region(x @ w)
+
+    x, w = f32(0, 8, 16), f32(1, 16, 16, scale=0.25)
+    entries = [e for e in jmp_rewrite.paint(f, x, w, dtype=dtype) if e.key != "dot_general"]
+    assert entries and not any(e.half for e in entries), [(e.path, e.colour) for e in entries]
+    got = jmp_rewrite.rewrite(f, dtype=dtype)(x, w)
+    assert got.dtype == jnp.float32 and rel(got, f(x, w)) < 8 * U[dtype]
