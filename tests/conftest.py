@@ -5,8 +5,9 @@ Property tests run derandomized by default (profile ``ci``: the same examples on
 so a failure in CI is reproducible and a pass means the same thing each time); their edge
 cases are pinned with ``@example``. ``HYPOTHESIS_PROFILE=random`` draws new examples on every
 run, to look for failures by hand: ``HYPOTHESIS_PROFILE=random .venv/bin/python -m pytest
-tests/test_loss_scale.py``. A test's own ``@settings`` (example counts, phases) apply on top
-of the profile.
+tests/test_loss_scale.py``; ``HYPOTHESIS_PROFILE=long`` does too, and runs 200 generated
+programs per dtype in ``tests/test_oracle.py`` instead of a few, shrinking a counterexample.
+A test's own ``@settings`` (example counts, phases) apply on top of the profile.
 """
 
 import os
@@ -17,6 +18,9 @@ from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
 settings.register_profile("random", deadline=None, print_blob=True)
+# By hand, to explore: new examples every run, and many more of the generated programs of
+# tests/test_oracle.py (which reads this profile's name), shrunk when one fails.
+settings.register_profile("long", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -41,6 +41,7 @@ T_LIBS = "tests/test_model_libraries.py::"
 T_FP8 = "tests/test_fp8.py::"
 T_R4 = "tests/test_round4_numerics.py::"
 T_SYM = "tests/test_symbolic_shapes.py::"
+T_PINS = "tests/test_behaviour_pins.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -967,5 +968,137 @@ MUTANTS: tuple[Mutant, ...] = (
         "d % TENSOR_CORE_MULTIPLE",
         T_SYM + "test_explain_symbolic_sequence_and_scan_length",
         "the tensor-core lint flags a symbolic sequence length as not a multiple of 8",
+    ),
+    # ---- branch generator (issue 22): behaviours no test pinned; the new tests catch them -----
+    _m(
+        "origins.cond_const_if_one_branch_is",
+        "origins.py",
+        "        const=all(o.const for o in origins),",
+        "        const=any(o.const for o in origins),",
+        T_PINS + "test_a_cond_output_constant_in_one_branch_only_overflows_honestly",
+        "a cond output constant in one branch only is clamped: a real overflow is hidden",
+        survives="not observable on this code: a cond output read by a half op is painted half "
+        "(propagate_allow_through_clear), so the cast happens at each branch's end, where no "
+        "constness is consulted; observable once a cond output can stay float32 (issue 21 "
+        "item 8's fix), which the test then covers",
+    ),
+    _m(
+        "origins.square_is_linear",
+        "origins.py",
+        "            derived = per[0] ^ per[1]  # old * old is not linear in old",
+        "            derived = per[0] | per[1]  # old * old is not linear in old",
+        T_PINS + "test_a_carry_squared_into_its_update_is_no_linear_state",
+        "c' = 0.5 * c * c + step is kept float32 as if it were linear state",
+    ),
+    _m(
+        "origins.reach_one_link_only",
+        "origins.py",
+        "                    todo.append(t)",
+        "                    pass",
+        T_PINS + "test_carries_updating_each_other_in_a_cycle_of_three_or_four_are_state",
+        "carries updating each other in a cycle of three or more are rounded every iteration",
+    ),
+    _m(
+        "paint.division_not_an_increment",
+        "paint.py",
+        '    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}',
+        '    {"add", "sub", "add_any", "neg", "mul", "convert_element_type", "select_n"}',
+        T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
+        "an increment's division (y + k / 100, dt / 6 * k) is rounded to half",
+    ),
+    _m(
+        "origins.cond_result_no_update",
+        "origins.py",
+        "        updates=frozenset().union(*(o.updates for o in origins)) & derived,",
+        "        updates=frozenset(),",
+        T_PINS + "test_an_sgd_step_inside_a_cond_read_by_a_matmul_stays_float32",
+        "an SGD step inside a cond whose result a matmul reads is rounded to half",
+    ),
+    _m(
+        "emit.same_shape_products_float32_tangents",
+        "emit.py",
+        "        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size < size",
+        "        is_float(a.aval.dtype) and not _const(rec, i) and a.aval.size <= size",
+        T_PINS + "test_float32_tangents_only_for_a_half_product_that_broadcasts",
+        "every half product gets float32 tangents: the backward of same-shape products is float32",
+    ),
+    _m(
+        "emit.scan_ys_stacked_float32",
+        "emit.py",
+        '        y_dtypes = em.carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[layout.size("carry") :]])',
+        '        y_dtypes = [v.aval.dtype for v in eqn.outvars[layout.size("carry") :]]',
+        T_PINS + "test_a_scans_stacked_outputs_painted_half_are_stored_half",
+        "a scan's stacked outputs painted half are stacked in float32 (twice the memory)",
+    ),
+    # ---- branch generator (issue 22, item 4): bugs planted by someone who did not write the
+    # code, on lines no mutant above touches; scored separately (README, Development) --------
+    _m(
+        "paint.scalar_array_scaling_is_a_product",
+        "paint.py",
+        '    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))',
+        "    return sum(1 for a in n.eqn.invars if not jc.is_literal(a))",
+        T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
+        "a learning rate passed as a scalar array (lr * g) counts as a product: the step is "
+        "rounded to half",
+    ),
+    _m(
+        "paint.statistics_only_right_after_a_reduction",
+        "paint.py",
+        "            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)",
+        "            leads[u] = n.key in _REDUCTIONS",
+        T_INV + "test_item2_batch_statistics_are_float32",
+        "rsqrt(var + eps) is no statistic (an add between it and the reduction): bf16 layer "
+        "norm statistics in half",
+    ),
+    _m(
+        "paint.allow_through_ineligible_clear",
+        "paint.py",
+        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))",
+        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR)",
+        (
+            T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
+            T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
+            T_PINS + "test_a_float32_region_that_starts_with_a_clear_op_stays_float32",
+        ),
+        "pass 5 spreads allow through clear ops kept float32 or painted deny",
+        survives="no program found that shows it (the generator, the pins, the dtype tests): "
+        "the clear ops it paints only move float32 values, and keep_float32_reads_unrounded, "
+        "run after pass 5, takes every such op back where a float32 op or an output reads it",
+    ),
+    _m(
+        "origins.infer_of_an_input_is_a_copy",
+        "origins.py",
+        '    copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None',
+        "    copy_of = copies.pop() if len(copies) == 1 and floats else None",
+        (T_LOOPS + "test_item5_nonlinear_function_of_an_input_is_no_state_update", T_TF),
+        "tanh(x) or 2 * x counts as a copy of the input x, kept float32 as if handed on",
+    ),
+    _m(
+        "origins.linear_in_itself_is_recurrent",
+        "origins.py",
+        "        for s in updates[t] & set(local):",
+        "        for s in derived[t] & set(local):",
+        T_LOOPS + "test_a_cache_written_by_placement_is_no_state_that_accumulates",
+        "a carry only placed into or scaled (a KV cache) counts as a recurrence, kept float32",
+    ),
+    _m(
+        "graph.remat_forward_is_backward",
+        "graph.py",
+        '    return (outer or "transpose(" in stack) and "rematted_computation" not in stack',
+        '    return outer or "transpose(" in stack',
+        (
+            T_LOOPS + "test_item4_log_softmax_gradient_is_float32",
+            T_REWRITE + "test_checkpoint_body_is_rewritten_and_grad_matches",
+        ),
+        "a forward rematerialised inside the backward pass is painted as backward (fused units "
+        "split)",
+    ),
+    _m(
+        "op_lists.exp2_infer",
+        "op_lists.py",
+        '_def_deny("no TF op: 2**x overflows like Exp", "exp2")',
+        '_def_infer("no TF op: 2**x overflows like Exp", "exp2")',
+        T_PINS + "test_exp2_after_a_half_matmul_stays_float32",
+        "2**x is infer: it overflows half where float32 does not",
     ),
 )

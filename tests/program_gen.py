@@ -1,0 +1,564 @@
+"""Issue 22: a generator of programs made of what real JAX programs are made of.
+
+A :class:`Program` is a chain of blocks over a hidden ``h`` (``B x D``), each block a frozen
+dataclass (so a counterexample prints as the Python literal that rebuilds it):
+
+* :class:`Dense` -- ``act(h @ w + b)`` as a matmul, an einsum or a 1-D convolution, with an
+  optional residual; :class:`Norm` -- layer, RMS or batch normalisation;
+* :class:`Attention` -- ``softmax(q k^T / sqrt(D) + bias) v`` with a mask that is an *input*
+  (Hugging Face's ``attention_mask``; row 0 fully padded, the last key padded for every row)
+  or a captured constant, in every spelling of the idiom: ``(1 - m) * finfo(float32).min``,
+  ``* -1e9``, ``* -3.4e38``, ``where(m, s, full(finfo.min))``, ``where(m, s, -1e9)``, the bias
+  added before or after the scaling;
+* :class:`Copy` -- an input (or a view of it, or ``exp`` of it: a float32 value in both lists)
+  handed to an output through nothing, ``jit``, ``checkpoint``, a ``cond`` whose other branch
+  is a constant, a zero-trip ``scan`` or a loop that carries it unchanged, beside a matmul
+  that reads the same value;
+* :class:`State` -- state updates of every shape the README names (EMA, SGD, Adam, an ODE step
+  ``y + k / 100``, RK4 with ``dt / 6 * (...)``, clipped and projected steps, ``.at[].add``,
+  a pytree through ``ravel_pytree``, and the nonlinear ``0.5 * c * c + step``), applied once,
+  inside a ``cond``, or carried by ``scan`` (optionally reversed, unrolled, with the update
+  under a ``cond`` every other trip), ``fori_loop`` or ``while_loop``, for 0, 1 or 6 trips,
+  through a cycle of 1 to 4 carries (``c_i' = update(c_{i+1})``), optionally read by a matmul.
+
+Each block may be wrapped in ``jit``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` or a
+two-step ``scan`` that stacks its outputs; the program is run plain, under ``jax.grad`` (both
+orders around the rewrite) or under ``jax.vmap`` (both orders). Programs are dtype-generic:
+the same code runs in float32 and, under ``jax.enable_x64``, in float64 (the oracle's truth,
+``tests/test_oracle.py``).
+
+Building blocks shared with ``tests/test_invariants.py``: its activations and losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from test_invariants import ACTIVATIONS, LOSSES
+
+B, D, N = 8, 16, 32  # batch (= sequence), width, scatter-add updates
+FMIN = jnp.finfo(jnp.float32).min  # a numpy float32 scalar, as Hugging Face writes it
+# Repeated scatter indices (embedding-gradient style) and the values each one reads.
+IDX = np.random.default_rng(8).integers(0, 4, N).astype(np.int32)
+IDX_SRC = np.random.default_rng(9).integers(0, D, N).astype(np.int32)
+
+
+def attention_mask(seed: int) -> np.ndarray:
+    """A 0/1 float mask: row 0 fully padded, the last key padded, each other row >= 1 key."""
+    m = (np.random.default_rng((seed, 99)).random((B, B)) < 0.7).astype(np.float32)
+    m[:, 0] = 1.0
+    m[:, -1] = 0.0
+    m[0] = 0.0
+    return m
+
+
+# ------------------------------------------------------------------------------------------
+# Blocks
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    op: str = "matmul"  # matmul | einsum | conv
+    act: str = "linear"
+    residual: bool = False
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    kind: str = "layer"  # layer | rms | batch
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    spelling: str = "finfo_mul"  # see MASK_SPELLINGS
+    before_scale: bool = False
+    mask_input: bool = True  # the mask is an argument (else a captured constant)
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    src: str = "x"  # x | x_T | w | s | exp_x
+    route: str = "plain"  # see COPY_ROUTES
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    update: str = "sgd"  # see UPDATES
+    carrier: str = "step"  # see CARRIERS
+    trips: int = 6
+    carries: int = 1  # a cycle of this many carries
+    reverse: bool = False
+    unroll: int = 1
+    h_carry: bool = True  # the loop also carries h through a matmul layer
+    feed: bool = False  # a matmul reads the new state
+    taken: bool = True  # carrier "cond": the branch that updates runs
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
+COPY_ROUTES = ("plain", "jit", "checkpoint", "cond_ones", "cond_const", "scan0", "fori_carried")
+UPDATES = ("sgd", "ema", "adam", "ode_div", "rk4", "clip", "project", "scatter", "ravel")
+UPDATES += ("square",)
+CARRIERS = ("step", "cond", "scan", "fori_loop", "while_loop", "scan_cond")
+WRAPPERS = ("jit", "checkpoint", "custom_jvp", "custom_vjp", "scan2")
+TRANSFORMS = ("none", "grad_outer", "grad_inner", "vmap_outer", "vmap_inner")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    blocks: tuple[Any, ...]
+    transform: str = "none"  # how the oracle runs it, see TRANSFORMS
+    final_dense: bool = False
+    outer_jit: bool = False
+    loss: str = "mean_square"
+    seed: int = 0
+
+    def inputs(self, draw: int = 0) -> dict[str, Any]:
+        """Float32 arguments for draw ``draw`` (the mask is the same in every draw)."""
+        rng = np.random.default_rng((self.seed, draw))
+        f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+        x_shape = (2, B, D) if self.transform.startswith("vmap") else (B, D)
+        return {
+            "x": f32(rng.standard_normal(x_shape)),
+            "w": [f32(rng.standard_normal((D, D)) / np.sqrt(D)) for _ in range(3)],
+            "b": f32(0.1 * rng.standard_normal((D,))),
+            "g": f32(1.0 + 0.1 * rng.standard_normal((D,))),
+            "s": [f32(rng.uniform(0.5, 1.5, (D,))) for _ in range(4)],  # states (a pytree)
+            "kernel": f32(rng.standard_normal((3, D, D)) / np.sqrt(3 * D)),
+            "m": f32(attention_mask(self.seed)),
+        }
+
+    def exact(self) -> frozenset[str]:
+        """Outputs that hand on a float32 value: bit-exact in every version."""
+        names = set()
+        for i, blk in enumerate(self.blocks):
+            if isinstance(blk, Copy):
+                names.add(f"copy{i}")
+            if isinstance(blk, State) and _state_untouched(blk):
+                names.update(_state_names(i, blk))
+        return frozenset(names)
+
+    def linear_states(self) -> frozenset[str]:
+        """State outputs updated linearly from themselves (every update but ``square``): the
+        README's state, which the rewrite updates in float32."""
+        names = set()
+        for i, blk in enumerate(self.blocks):
+            if isinstance(blk, State) and blk.update != "square":
+                names.update(_state_names(i, blk))
+        return frozenset(names)
+
+
+def _state_untouched(blk: State) -> bool:
+    if blk.carrier == "cond":
+        return not blk.taken
+    return blk.carrier != "step" and blk.trips == 0
+
+
+def _state_names(i: int, blk: State) -> list[str]:
+    parts = {"adam": ("", "_mu", "_nu"), "ravel": ("_a", "_b")}.get(blk.update, ("",))
+    return [f"state{i}_{j}{part}" for j in range(blk.carries) for part in parts]
+
+
+def _flag(p: dict[str, Any], taken: bool) -> jax.Array:
+    """A data-dependent predicate with a known value (|mean(x)| < 10 for these inputs)."""
+    small = jnp.abs(jnp.mean(p["x"])) < 10.0
+    return small if taken else ~small
+
+
+def _dense(blk: Dense, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    if blk.op == "matmul":
+        y = h @ p["w"][blk.k]
+    elif blk.op == "einsum":
+        y = jnp.einsum("bd,ed->be", h, p["w"][blk.k].T)
+    else:
+        dims = ("NWC", "WIO", "NWC")
+        y = lax.conv_general_dilated(h[None], p["kernel"], (1,), "SAME", dimension_numbers=dims)
+        y = y[0]
+    y = ACTIVATIONS[blk.act](y + p["b"])
+    return (h + y if blk.residual else y), {}
+
+
+def _norm(blk: Norm, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    if blk.kind == "rms":
+        return h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * p["g"], {}
+    axis = 0 if blk.kind == "batch" else -1
+    mean = jnp.mean(h, axis=axis, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=axis, keepdims=True)
+    return (h - mean) * lax.rsqrt(var + 1e-5) * p["g"] + p["b"], {}
+
+
+def _attention(i: int, blk: Attention, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    m = p["m"] if blk.mask_input else jnp.asarray(attention_mask(0))
+    q, kk = h @ p["w"][blk.k], h @ p["w"][(blk.k + 1) % 3]
+    s = q @ kk.T
+    scale = 1.0 / math.sqrt(D)
+    if not blk.before_scale:
+        s = s * scale
+    if blk.spelling == "finfo_mul":
+        s = s + (1.0 - m) * FMIN
+    elif blk.spelling == "neg1e9_mul":
+        s = s + (1.0 - m) * -1e9
+    elif blk.spelling == "neg3e38_mul":
+        s = s + (1.0 - m) * -3.4e38
+    elif blk.spelling == "full_where":
+        s = jnp.where(m > 0, s, jnp.full(s.shape, FMIN))
+    else:
+        s = jnp.where(m > 0, s, -1e9)
+    if blk.before_scale:
+        s = s * scale
+    probs = jax.nn.softmax(s, axis=-1)
+    return probs @ h, {f"probs{i}": probs}
+
+
+def _copy(i: int, blk: Copy, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    src = {
+        "x": lambda: p["x"],
+        "x_T": lambda: p["x"].T,
+        "w": lambda: p["w"][blk.k],
+        "s": lambda: p["s"][0],
+        "exp_x": lambda: jnp.exp(4.0 * p["x"]),  # overflows float16 for x > 2.8
+    }[blk.src]()
+    route = blk.route
+    if route == "plain":
+        y = src
+    elif route in ("jit", "checkpoint"):
+        wrap = jax.jit if route == "jit" else jax.checkpoint
+        y = wrap(lambda v: v)(src)
+    elif route == "cond_ones":
+        y = lax.cond(_flag(p, True), lambda v: v, lambda v: jnp.ones_like(v), src)
+    elif route == "cond_const":
+        const = jnp.asarray(np.full(src.shape, 0.5, np.float32))
+        y = lax.cond(_flag(p, True), lambda v: v, lambda v: const.astype(v.dtype), src)
+    elif route == "scan0":
+        layer = lambda c: jnp.tanh(c.reshape(-1, D) @ p["w"][blk.k]).reshape(c.shape)  # noqa: E731
+        y = lax.scan(lambda c, _: (layer(c), None), src, None, length=0)[0]
+    else:  # carried unchanged beside a matmul layer
+        body = lambda _, c: (c[0], jnp.tanh(c[1] @ p["w"][blk.k]))  # noqa: E731
+        y = lax.fori_loop(0, 3, body, (src, h))[0]
+    read = y.reshape(-1, D) @ p["w"][blk.k]
+    return h, {f"copy{i}": y, f"read{i}": read}
+
+
+def _update(blk: State, c: Any, grad: jax.Array, stat: jax.Array) -> Any:
+    """One step of ``blk.update`` on the state unit ``c`` (an array, or a tuple/dict)."""
+    u = blk.update
+    if u == "sgd":
+        return c - 0.01 * grad
+    if u == "ema":
+        return 0.9 * c + 0.1 * stat
+    if u == "adam":
+        w, mu, nu = c
+        mu = 0.9 * mu + 0.1 * grad
+        nu = 0.999 * nu + 0.001 * grad * grad
+        return w - 0.01 * mu / (jnp.sqrt(nu) + 1e-8), mu, nu
+    if u == "ode_div":
+        return c + (grad - c) / 100
+    if u == "rk4":
+        dt = 0.05
+        f = lambda y: grad - 0.5 * y  # noqa: E731
+        k1 = f(c)
+        k2 = f(c + dt / 2 * k1)
+        k3 = f(c + dt / 2 * k2)
+        k4 = f(c + dt * k3)
+        return c + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+    if u == "clip":
+        return jnp.clip(c - 0.01 * grad, -2.0, 2.0)
+    if u == "project":
+        q = c - 0.01 * grad
+        return q * jnp.minimum(1.0, 8.0 / jnp.linalg.norm(q))
+    if u == "scatter":
+        return c.at[IDX].add(-0.01 * grad[IDX_SRC])
+    if u == "ravel":
+        flat, unravel = ravel_pytree(c)
+        return unravel(flat - 0.01 * jnp.concatenate([grad[:8], grad[8:]]))
+    assert u == "square", u
+    return 0.5 * c * c + 0.01 * grad
+
+
+def _init_unit(blk: State, s: jax.Array) -> Any:
+    if blk.update == "adam":
+        return s, jnp.zeros_like(s), jnp.zeros_like(s)
+    if blk.update == "ravel":
+        return {"a": s[:8], "b": s[8:].reshape(2, 4)}
+    return s
+
+
+def _state(i: int, blk: State, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    w = p["w"][blk.k]
+
+    def layer(h):
+        return jnp.tanh(h @ w + p["b"]) if blk.h_carry else h
+
+    def stats(h):
+        hh = h @ w  # a half-precision matmul feeds every update
+        return jnp.mean(hh, axis=0), jnp.mean(hh * hh, axis=0)
+
+    def rotate(units, h):  # the cycle: c_j' = update(c_{j+1})
+        grad, stat = stats(h)
+        n = len(units)
+        return tuple(_update(blk, units[(j + 1) % n], grad, stat) for j in range(n))
+
+    units = tuple(_init_unit(blk, p["s"][j]) for j in range(blk.carries))
+    trips = blk.trips
+    if blk.carrier == "step":
+        units = rotate(units, h)
+    elif blk.carrier == "cond":
+        units = lax.cond(_flag(p, blk.taken), lambda u: rotate(u, h), lambda u: u, units)
+    elif blk.carrier in ("scan", "scan_cond"):
+
+        def body(c, t):
+            h, units = c
+            h = layer(h)
+            if blk.carrier == "scan":
+                return (h, rotate(units, h)), None
+            even = t % 2 == 0
+            return (h, lax.cond(even, lambda u: rotate(u, h), lambda u: u, units)), None
+
+        xs = jnp.arange(trips)
+        (h, units), _ = lax.scan(body, (h, units), xs, reverse=blk.reverse, unroll=blk.unroll)
+    elif blk.carrier == "fori_loop":
+
+        def fbody(t, c):
+            h = layer(c[0])
+            return h, rotate(c[1], h)
+
+        h, units = lax.fori_loop(0, trips, fbody, (h, units))
+    else:
+
+        def wbody(c):
+            h = layer(c[1])
+            return c[0] + 1, h, rotate(c[2], h)
+
+        _, h, units = lax.while_loop(lambda c: c[0] < trips, wbody, (0, h, units))
+    outs = {}
+    names = iter(_state_names(i, blk))
+    for unit in units:
+        for leaf in jax.tree.leaves(unit):
+            outs[next(names)] = leaf
+    if blk.feed:
+        first = units[0]
+        if isinstance(first, dict):  # the raveled pytree: its vector again
+            first = jnp.concatenate([first["a"], first["b"].reshape(-1)])
+        elif isinstance(first, tuple):  # Adam: the parameters
+            first = first[0]
+        h = (h * first) @ w
+    return h, outs
+
+
+# ------------------------------------------------------------------------------------------
+# Wrappers and the whole program
+# ------------------------------------------------------------------------------------------
+
+
+def _custom_jvp(fn: Callable[..., Any]) -> Callable[..., Any]:
+    wrapped = jax.custom_jvp(fn)
+    wrapped.defjvp(lambda primals, tangents: jax.jvp(fn, primals, tangents))
+    return wrapped
+
+
+def _custom_vjp(fn: Callable[..., Any]) -> Callable[..., Any]:
+    wrapped = jax.custom_vjp(fn)
+    wrapped.defvjp(lambda h, p: jax.vjp(fn, h, p), lambda vjp, ct: vjp(ct))
+    return wrapped
+
+
+def _wrap(fn: Callable[..., Any], wrapper: str) -> Callable[..., Any]:
+    if wrapper == "jit":
+        return jax.jit(fn)
+    if wrapper == "checkpoint":
+        return jax.checkpoint(fn)
+    if wrapper == "custom_jvp":
+        return _custom_jvp(fn)
+    if wrapper == "custom_vjp":
+        return _custom_vjp(fn)
+    assert wrapper == "scan2", wrapper
+
+    def scanned(h, p):  # two steps; per-step outputs come back stacked
+        return lax.scan(lambda c, _: fn(c, p), h, None, length=2)
+
+    return scanned
+
+
+def block_fn(i: int, blk: Any) -> Callable[[jax.Array, dict[str, Any]], Any]:
+    kinds = {Dense: _dense, Norm: _norm}
+    if type(blk) in kinds:
+        fn = lambda h, p: kinds[type(blk)](blk, h, p)  # noqa: E731
+    else:
+        indexed = {Attention: _attention, Copy: _copy, State: _state}[type(blk)]
+        fn = lambda h, p: indexed(i, blk, h, p)  # noqa: E731
+    for wrapper in blk.wrappers:
+        fn = _wrap(fn, wrapper)
+    return fn
+
+
+def forward(program: Program) -> Callable[[dict[str, Any]], dict[str, jax.Array]]:
+    """The program as ``p -> {name: array}`` (``h`` is the last hidden value)."""
+
+    def fun(p):
+        h, outs = p["x"], {}
+        for i, blk in enumerate(program.blocks):
+            h, o = block_fn(i, blk)(h, p)
+            outs.update(o)
+        if program.final_dense:
+            h = h @ p["w"][2]
+        outs["h"] = h
+        return outs
+
+    return jax.jit(fun) if program.outer_jit else fun
+
+
+def loss_fn(program: Program) -> Callable[[dict[str, Any]], tuple[jax.Array, dict]]:
+    """``p -> (loss, outputs)``: the loss of ``h`` plus a small share of every state."""
+    fwd = forward(program)
+
+    def loss(p):
+        outs = fwd(p)
+        value = LOSSES[program.loss](outs["h"])
+        for name, v in outs.items():
+            if name.startswith("state"):
+                value = value + 0.01 * jnp.mean(v)
+        return value, outs
+
+    return loss
+
+
+def transformed(
+    program: Program, version: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[dict[str, Any]], dict[str, jax.Array]]:
+    """The program under its transform, with ``version`` (a rewrite, or the identity) applied
+    inside (``grad_inner``: ``rewrite(grad(f))``) or outside (``grad_outer``) it."""
+    t = program.transform
+    if t == "none":
+        return version(forward(program))
+    if t.startswith("grad"):
+        vg = lambda f: jax.value_and_grad(f, has_aux=True)  # noqa: E731
+        trainable = ("w", "b", "g", "s", "kernel")
+
+        def split(f):
+            def g(train, rest):
+                return f({**rest, **train})
+
+            return g
+
+        def outputs(fun):
+            def run(p):
+                train = {k: p[k] for k in trainable}
+                rest = {k: v for k, v in p.items() if k not in trainable}
+                (value, outs), grads = fun(train, rest)
+                flat = {}
+                for k, v in grads.items():
+                    if isinstance(v, list):  # the weights, the states
+                        flat.update({f"grad_{k}{j}": leaf for j, leaf in enumerate(v)})
+                    else:
+                        flat[f"grad_{k}"] = v
+                return {**outs, "loss": value, **flat}
+
+            return run
+
+        loss = split(loss_fn(program))
+        if t == "grad_outer":
+            return outputs(vg(version(loss)))
+        return outputs(version(vg(loss)))
+    axes = {"x": 0, "w": None, "b": None, "g": None, "s": None, "kernel": None, "m": None}
+    fwd = forward(program)
+    if t == "vmap_outer":
+        return jax.vmap(version(fwd), in_axes=(axes,))
+    return version(jax.vmap(fwd, in_axes=(axes,)))
+
+
+# ------------------------------------------------------------------------------------------
+# Strategies
+# ------------------------------------------------------------------------------------------
+
+
+def _wrappers(draw: Any) -> tuple[str, ...]:
+    return tuple(draw(st.lists(st.sampled_from(WRAPPERS), max_size=2)))
+
+
+@st.composite
+def state_blocks(draw: Any, transform: str = "none") -> State:
+    carriers = CARRIERS if not transform.startswith("grad") else CARRIERS[:4] + CARRIERS[5:]
+    carrier = draw(st.sampled_from(carriers))
+    looped = carrier not in ("step", "cond")
+    return State(
+        update=draw(st.sampled_from(UPDATES)),
+        carrier=carrier,
+        trips=draw(st.sampled_from([6, 0, 1])) if looped else 1,
+        carries=draw(st.integers(1, 4)),
+        reverse=draw(st.booleans()) if carrier.startswith("scan") else False,
+        unroll=draw(st.sampled_from([1, 2])) if carrier.startswith("scan") else 1,
+        h_carry=draw(st.booleans()) if looped else False,
+        feed=draw(st.booleans()),
+        taken=draw(st.booleans()) if carrier == "cond" else True,
+        k=draw(st.integers(0, 2)),
+        wrappers=_wrappers(draw),
+    )
+
+
+@st.composite
+def any_block(draw: Any, transform: str = "none") -> Any:
+    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm"]))
+    if kind == "state":
+        return draw(state_blocks(transform))
+    k = draw(st.integers(0, 2))
+    if kind == "attention":
+        return Attention(
+            spelling=draw(st.sampled_from(MASK_SPELLINGS)),
+            before_scale=draw(st.booleans()),
+            mask_input=draw(st.booleans()),
+            k=k,
+            wrappers=_wrappers(draw),
+        )
+    if kind == "copy":
+        return Copy(
+            src=draw(st.sampled_from(["x", "x_T", "w", "s", "exp_x"])),
+            route=draw(st.sampled_from(COPY_ROUTES)),
+            k=k,
+            wrappers=_wrappers(draw),
+        )
+    if kind == "dense":
+        return Dense(
+            op=draw(st.sampled_from(["matmul", "einsum", "conv"])),
+            act=draw(st.sampled_from(sorted(ACTIVATIONS))),
+            residual=draw(st.booleans()),
+            k=k,
+            wrappers=_wrappers(draw),
+        )
+    return Norm(kind=draw(st.sampled_from(["layer", "rms", "batch"])), wrappers=_wrappers(draw))
+
+
+@st.composite
+def programs(draw: Any, transforms: tuple[str, ...] = TRANSFORMS) -> Program:
+    """1 to 4 blocks, each optionally after a dense layer, under one of ``transforms``."""
+    transform = draw(st.sampled_from(transforms))
+    chosen: list[Any] = []
+    for _ in range(draw(st.integers(1, 4))):
+        if draw(st.booleans()):
+            chosen.append(Dense(act=draw(st.sampled_from(sorted(ACTIVATIONS)))))
+        chosen.append(draw(any_block(transform)))
+    return Program(
+        blocks=tuple(chosen),
+        transform=transform,
+        final_dense=draw(st.booleans()),
+        outer_jit=draw(st.booleans()),
+        loss=draw(st.sampled_from(sorted(LOSSES))),
+        seed=draw(st.integers(0, 1000)),
+    )

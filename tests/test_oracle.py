@@ -1,0 +1,412 @@
+"""Issue 22: generated programs (``tests/program_gen.py``) against a float64 oracle.
+
+Every program is run five ways, each compiled once and called on ``DRAWS`` input draws:
+
+* **float32**, as written;
+* **float64**, the truth: the same code under ``jax.enable_x64(True)`` (a context manager on
+  both JAX ends; the flag is restored on exit, so nothing leaks into other tests) on the
+  inputs cast to float64;
+* **the rewrite**, ``rewrite(f, dtype=float16 | bfloat16)``, inside or outside the program's
+  transform (``grad(rewrite(f))`` and ``rewrite(grad(f))``, likewise ``vmap``);
+* **the reference policy**, what a careful hand-written mixed-precision model does: only the
+  allow list (``dot_general``, ``conv_general_dilated``, fused attention) in half, every other
+  op float32. Implemented with the library's own machinery, ``rewrite(f, lists=
+  OpLists(allow=default_lists(dtype).allow))``: every other op is unlisted, so float32, and
+  each matmul casts its operands to half and its result back;
+* **the rewrite of the rewrite**, ``rewrite(rewrite(f))``.
+
+No expectation is written by hand. Per output, the oracle asserts:
+
+1. the output tree, dtypes and shapes are the float32 program's;
+2. rewriting twice gives the same bits as rewriting once (first draw);
+3. an output that hands on a float32 value (``Program.exact``: an input or a view of one,
+   ``exp`` of one, through calls, a ``cond``, a zero-trip loop, a carry passed on unchanged,
+   a state whose loop ran zero times or whose ``cond`` did not update it) is bit-exact, in
+   the rewrite and in the reference;
+4. the rewrite creates no inf/NaN: every element finite in float32 *and* in the reference
+   is finite in the rewrite (a value that overflows half in the reference, as by hand, may
+   overflow in the rewrite too);
+5. its error is bounded by the reference's: with ``e = ||y - y64|| / ||y64||`` over the
+   elements finite in float64, float32 and the reference, medians over the draws,
+   ``e_rewrite <= FACTOR * e_reference + SLACK * u`` (``u``: the half type's unit roundoff,
+   2^-11 float16, 2^-8 bfloat16). The slack pays for the roundings the rewrite adds by
+   design: it keeps activations, sums and outputs in half between matmuls where the
+   reference casts back to float32 after each (a chain of infer ops, one rounding each).
+   Outputs the reference itself gets wrong by more than ``ILL_CONDITIONED`` (relative) are
+   not compared: half precision cannot compute them and both errors are noise.
+
+Calibration (2026-11-26, jax 0.10.2, 2-core CPU): 76 random generated programs, each in both
+dtypes, 1106 outputs compared (the problems found were all the known bugs below). The factor
+each output needs, given the slack, ``(e_rewrite - SLACK u) / e_reference``, was at most
+1.20 (float16) and 1.84 (bfloat16) with ``SLACK = 2``; with ``SLACK = 1`` it reached 2.56
+(bfloat16: the weight gradient of a six-layer network, 4.5u against the reference's 1.4u --
+the rewrite keeps the activations and their gradients in half between the matmuls, as a
+hand-written model does, where the reference rounds only at the matmuls).
+``FACTOR = 3`` leaves a 1.6x margin.
+State (every update but ``square``) was at most 0.02u off float64 in both dtypes, except the
+finding below (0.44u-0.65u, reference 1e-5u-0.1u): rounding a state once costs about u/3,
+so ``STATE_SLACK = 0.25`` sees a single rounding. A lost round of loop updates or a sum
+accumulated in half costs many u, far past both bounds.
+
+The round-4 bugs this code still has (issue 21) are listed in :data:`KNOWN_BUGS`; a problem
+they explain does not fail the generated-program test, and each has a shrunk counterexample
+below, marked ``xfail(strict=True)`` until its fix merges. In CI (profile ``ci``) the test
+runs ``EXAMPLES`` (16) derandomized programs per dtype, unshrunk (about 2 s of CPU each:
+62 s of CPU for the 32, jax 0.10.2);
+``HYPOTHESIS_PROFILE=long`` runs 200 per dtype, new ones each run, shrinking a failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from program_gen import Attention, Copy, Program, State, programs, transformed
+
+import jmp_rewrite
+
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
+F16, BF16 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
+DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+UNIT_ROUNDOFF = {F16: 2.0**-11, BF16: 2.0**-8}
+FACTOR = 3.0  # the rewrite's error may be FACTOR x the reference policy's ...
+SLACK = 2.0  # ... plus SLACK unit roundoffs (relative to the output's norm)
+STATE_SLACK = 0.25  # for state (Program.linear_states): updated in float32, never rounded
+ILL_CONDITIONED = 0.25  # no error bound where the reference is this far off (relative)
+DRAWS = 4  # input draws per program (compiled once per version)
+
+
+def reference_lists(dtype: Any) -> jmp_rewrite.OpLists:
+    """The reference policy: only the allow list (matmuls, convolutions, fused attention)
+    in half precision; every other op is unlisted, so it runs in float32."""
+    return jmp_rewrite.OpLists(allow=jmp_rewrite.default_lists(dtype).allow)
+
+
+def _f64(tree: Any) -> Any:
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def _bits(a: Any) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint32) if a.dtype == np.float32 else a
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What the oracle found for one program and dtype."""
+
+    problems: dict[str, str]
+    errors: dict[str, tuple[float, float]]  # output -> rewrite's, reference's (medians)
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems.values())
+
+
+def run_versions(program: Program, dtype: Any, draws: int = DRAWS) -> dict[str, list[dict]]:
+    """Each version's outputs (float64 numpy) per draw: float32, float64, rewrite, reference,
+    rewrite of the rewrite."""
+    rw = lambda f: jmp_rewrite.rewrite(f, dtype=dtype)  # noqa: E731
+    ref = lambda f: jmp_rewrite.rewrite(f, dtype=dtype, lists=reference_lists(dtype))  # noqa: E731
+    versions: dict[str, Callable[..., Any]] = {
+        "f32": jax.jit(transformed(program, lambda f: f)),
+        "rw": jax.jit(transformed(program, rw)),
+        "ref": jax.jit(transformed(program, ref)),
+        "twice": jax.jit(transformed(program, lambda f: rw(rw(f)))),
+    }
+    args = [program.inputs(d) for d in range(draws)]
+    out: dict[str, list[dict]] = {name: [] for name in (*versions, "f64")}
+    for a in args:
+        for name, fun in versions.items():
+            if name == "twice" and out["twice"]:
+                continue  # one draw is enough to compare two rewrites
+            out[name].append(fun(a))
+    with jax.enable_x64(True):
+        f64 = jax.jit(transformed(program, lambda f: f))
+        for a in args:
+            out["f64"].append(_f64(f64(jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), a))))
+    return out
+
+
+def judge(program: Program, dtype: Any, out: dict[str, list[dict]]) -> Verdict:
+    """The oracle's assertions, per output (see the module docstring)."""
+    u = UNIT_ROUNDOFF[np.dtype(dtype)]
+    problems: dict[str, str] = {}
+    errors: dict[str, tuple[float, float]] = {}
+    exact, states = program.exact(), program.linear_states()
+    ref32 = out["f32"][0]
+    if jax.tree.structure(out["rw"][0]) != jax.tree.structure(ref32):
+        return Verdict({"tree": "output structure changed"}, {})
+    for name in ref32:
+        r, y = ref32[name], out["rw"][0][name]
+        if (y.dtype, y.shape) != (r.dtype, r.shape):
+            problems[name] = (
+                f"{name}: {y.dtype}{list(y.shape)} where float32 gives {r.dtype}{list(r.shape)}"
+            )
+            continue
+        twice = out["twice"][0][name]
+        if not np.array_equal(_bits(twice), _bits(y)):
+            problems[name] = f"{name}: rewriting twice differs from rewriting once"
+            continue
+        if name in exact:
+            for version in ("rw", "ref"):
+                if any(
+                    not np.array_equal(_bits(o[name]), _bits(f[name]))
+                    for o, f in zip(out[version], out["f32"], strict=True)
+                ):
+                    problems[name] = (
+                        f"{name}: a copy of a float32 value is not bit-exact ({version})"
+                    )
+            continue
+        errs = []
+        for d, truth in enumerate(out["f64"]):
+            t = truth[name]
+            f32, rw, rf = (np.asarray(out[v][d][name], np.float64) for v in ("f32", "rw", "ref"))
+            new = np.isfinite(f32) & np.isfinite(rf) & ~np.isfinite(rw)
+            if new.any():
+                problems[name] = (
+                    f"{name}: {int(new.sum())} of {new.size} values inf/NaN after the rewrite, "
+                    f"finite in float32 and in the reference (draw {d})"
+                )
+                break
+            keep = np.isfinite(t) & np.isfinite(f32) & np.isfinite(rf)
+            scale = float(np.linalg.norm(t[keep])) or 1.0
+            errs.append(
+                (
+                    float(np.linalg.norm((rw - t)[keep])) / scale,
+                    float(np.linalg.norm((rf - t)[keep])) / scale,
+                )
+            )
+        if name in problems or not errs:
+            continue
+        e_rw, e_ref = np.median(np.asarray(errs), axis=0)
+        errors[name] = (float(e_rw), float(e_ref))
+        if e_ref > ILL_CONDITIONED:
+            continue
+        slack = STATE_SLACK if name in states else SLACK
+        if e_rw > FACTOR * e_ref + slack * u:
+            problems[name] = (
+                f"{name}: rewrite {e_rw:.3g} off float64 (relative, median of {len(errs)} "
+                f"draws) > {FACTOR} x reference {e_ref:.3g} + {slack} u ({slack * u:.3g})"
+            )
+    return Verdict(problems, errors)
+
+
+def check(program: Program, dtype: Any) -> None:
+    verdict = judge(program, dtype, run_versions(program, dtype))
+    assert not verdict.problems, f"{program}\n{verdict}"
+
+
+# ------------------------------------------------------------------------------------------
+# Known bugs of this code (issue 21, round 4), fixed on other branches
+# ------------------------------------------------------------------------------------------
+
+_MULTIPLIED_MASKS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul")
+
+
+def _padded_mask_nan(program: Program, name: str, problem: str) -> bool:
+    return "inf/NaN" in problem and any(
+        isinstance(b, Attention) and b.mask_input and b.spelling in _MULTIPLIED_MASKS
+        for b in program.blocks
+    )
+
+
+def _exact_through(
+    routes: tuple[str, ...], untouched_state: Callable[[State], bool]
+) -> Callable[[Program, str, str], bool]:
+    """A copy not bit-exact, handed on through one of ``routes`` (Copy blocks) or by a State
+    block that ``untouched_state`` says did not update it."""
+
+    def hit(program: Program, name: str, problem: str) -> bool:
+        if "not bit-exact" not in problem:
+            return False
+        for i, b in enumerate(program.blocks):
+            if isinstance(b, Copy) and b.route in routes and name == f"copy{i}":
+                return True
+            if isinstance(b, State) and untouched_state(b) and name.startswith(f"state{i}_"):
+                return True
+        return False
+
+    return hit
+
+
+def _vjp_closure(program: Program, name: str, problem: str) -> bool:
+    return (
+        name == "exception"
+        and "CustomVJPException" in problem
+        and program.transform == "grad_outer"
+        and any("custom_vjp" in b.wrappers for b in program.blocks)
+    )
+
+
+def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> bool:
+    """A state update whose output gains a leading axis over its input: batched by
+    ``rewrite(vmap(f))``, or stacked by the scan a block runs in."""
+    if not (name.startswith("state") and "off float64" in problem):
+        return False
+    i = int(name[len("state") :].split("_")[0])
+    return program.transform == "vmap_inner" or "scan2" in program.blocks[i].wrappers
+
+
+#: The round-4 bugs this branch still has (issue 21; fixed on other branches): a problem one
+#: of these explains does not fail the generated-program test (each has an xfail regression
+#: test below). Delete an entry once its fix has merged; the test then fails on it again.
+KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
+    "issue 21 item 1 (padded mask (1 - m) * min gives NaN rows)": _padded_mask_nan,
+    "issue 21 item 2 (a zero-trip loop rounds its init)": _exact_through(
+        ("scan0",), lambda b: b.carrier not in ("step", "cond") and b.trips == 0
+    ),
+    "issue 21 item 3 (grad(rewrite(f)) through a custom_vjp raises)": _vjp_closure,
+    "issue 21 item 8 (a float32 value leaving a cond is rounded)": _exact_through(
+        ("cond_ones", "cond_const"), lambda b: b.carrier == "cond" and not b.taken
+    ),
+    "issue 22 (found here): a state update batched (rewrite(vmap(f))) or stacked (a scan) "
+    "from an unbatched state is not of its input's shape, so no state: rounded in bfloat16": (
+        _state_with_a_leading_axis
+    ),
+}
+
+
+def unexplained(program: Program, problems: dict[str, str]) -> dict[str, str]:
+    """``problems`` less those a known bug explains."""
+    return {
+        name: p
+        for name, p in problems.items()
+        if not any(hit(program, name, p) for hit in KNOWN_BUGS.values())
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# The generated programs
+# ------------------------------------------------------------------------------------------
+
+LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
+EXAMPLES = 200 if LONG else 16  # per dtype
+PHASES = tuple(Phase) if LONG else (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+@DTYPES
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    phases=PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_generated_programs_against_the_oracle(dtype, data):
+    """Each generated program, run five ways, against float64 (module docstring)."""
+    program = data.draw(programs(), label="program")
+    try:
+        out = run_versions(program, dtype)
+    except Exception as e:  # noqa: BLE001 - a known bug may raise; anything else re-raised
+        if unexplained(program, {"exception": f"{type(e).__name__}: {e}"}):
+            raise
+        return
+    problems = unexplained(program, judge(program, dtype, out).problems)
+    assert not problems, f"{program}\n" + "\n".join(problems.values())
+
+
+# ------------------------------------------------------------------------------------------
+# Counterexamples the generator found, shrunk by hand to one block (regression tests)
+# ------------------------------------------------------------------------------------------
+
+
+def _xfail(item: int, branch: str = "masks") -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"issue 21 item {item}: fixed on branch {branch}")
+
+
+COUNTEREXAMPLES = [
+    # NaN rows: a padded mask (an input) times finfo(float32).min, cast into a half add
+    pytest.param(Program((Attention("finfo_mul"),)), F16, id="item1-finfo-f16", marks=_xfail(1)),
+    pytest.param(Program((Attention("finfo_mul"),)), BF16, id="item1-finfo-bf16", marks=_xfail(1)),
+    pytest.param(Program((Attention("neg1e9_mul"),)), F16, id="item1-1e9-f16", marks=_xfail(1)),
+    pytest.param(
+        Program((Attention("neg3e38_mul", before_scale=True),)),
+        BF16,
+        id="item1-3e38-before-scale-bf16",
+        marks=_xfail(1),
+    ),
+    # a zero-trip scan hands on its float32 init rounded through half
+    pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16", marks=_xfail(2)),
+    pytest.param(Program((Copy("w", "scan0"),)), BF16, id="item2-scan0-bf16", marks=_xfail(2)),
+    pytest.param(
+        Program((State("square", "fori_loop", trips=0),)),
+        BF16,
+        id="item2-fori0-state-bf16",
+        marks=_xfail(2),
+    ),
+    # grad(rewrite(f)) through a custom_vjp whose body captures a constant (the mask) raises
+    pytest.param(
+        Program(
+            (Attention("full_where", mask_input=False, wrappers=("custom_vjp",)),),
+            transform="grad_outer",
+        ),
+        BF16,
+        id="item3-custom-vjp-grad-outer",
+        marks=_xfail(3, "of round 4 (custom_vjp re-wrapping)"),
+    ),
+    # a float32 value leaving a cond read by a matmul comes back rounded (exp: inf in f16)
+    pytest.param(Program((Copy("x", "cond_ones"),)), F16, id="item8-cond-f16", marks=_xfail(8)),
+    pytest.param(Program((Copy("x", "cond_ones"),)), BF16, id="item8-cond-bf16", marks=_xfail(8)),
+    pytest.param(
+        Program((Copy("exp_x", "cond_ones"),)), F16, id="item8-cond-exp-f16", marks=_xfail(8)
+    ),
+    pytest.param(
+        Program((State("square", "cond", taken=False),)),
+        BF16,
+        id="item8-cond-not-taken-state-bf16",
+        marks=_xfail(8),
+    ),
+    # found by the generator, not fixed yet: rewrite(vmap(sgd step)) with the state unbatched
+    # (shape [D] in, [2, D] out: no state by the shape rule): the step is rounded in bfloat16,
+    # 0.46u off float64 where the reference is 0.002u
+    pytest.param(
+        Program((State("sgd", "step"),), transform="vmap_inner"),
+        BF16,
+        id="vmapped-state-bf16",
+        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
+    ),
+    # the same, the update stacked by a two-step scan around it (Adam: 0.44u off, reference
+    # 1e-5u)
+    pytest.param(
+        Program((State("adam", "step", wrappers=("scan2",)),)),
+        BF16,
+        id="stacked-state-bf16",
+        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
+    ),
+]
+
+
+@pytest.mark.parametrize("program, dtype", COUNTEREXAMPLES)
+def test_counterexample(program, dtype):
+    """The oracle on a shrunk counterexample, with no known-bug exemption."""
+    check(program, dtype)
+
+
+@_xfail(8)
+def test_a_slice_of_an_input_handed_out_of_a_cond_is_exact():
+    """Found by the generator (state inputs as slices of one array, a cond that does not
+    update): ``cond(p, ema, identity, s[0])``; bfloat16 paints the cond output half, so the
+    untouched ``s[0]`` comes back rounded (0.0037 off; float16 keeps it float32)."""
+    dtype = BF16
+    rng = np.random.default_rng(0)
+    s = jnp.asarray(rng.uniform(0.5, 1.5, (4, 16)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32)
+
+    def f(s4, x, w):
+        hh = x @ w
+        stat = jnp.mean(hh * hh, axis=0)
+        skip = jnp.abs(jnp.mean(x)) > 10.0
+        return jax.lax.cond(skip, lambda s: 0.9 * s + 0.1 * stat, lambda s: s, s4[0])
+
+    out = jmp_rewrite.rewrite(f, dtype=dtype)(s, x, w)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(s[0]))
