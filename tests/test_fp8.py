@@ -446,3 +446,147 @@ def test_small_gpt_reaches_bf16_loss_milestones_with_float8():
         assert a is not None and b is not None, (level, bf16[-1], f8[-1])
         assert abs(a - b) <= max(2, 0.05 * a), (level, a, b)
     assert f8[-1] < 2 * bf16[-1] + 0.05
+
+
+# -- rematerialisation: a forward GEMM recomputed in the backward pass stays a forward one ----
+
+REMATS = {
+    "checkpoint": jax.checkpoint,
+    "remat": jax.remat,
+    "dots_saveable": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable),
+    "nothing_saveable": lambda f: jax.checkpoint(
+        f, policy=jax.checkpoint_policies.nothing_saveable
+    ),
+}
+
+
+def _remat_mlp(remat):
+    def block(x, w):
+        return jnp.tanh(x @ w)
+
+    def f(params, x):
+        for i, w in enumerate(params):
+            with jax.named_scope(f"layer{i}"):
+                x = remat(block)(x, w) if i < len(params) - 1 else x @ w
+        return jnp.mean(x**2)
+
+    return f
+
+
+def _f8_dots(jaxpr):
+    """(lhs, rhs) dtypes of every float8 dot_general of a jaxpr, sub-jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        ins = [str(a.aval.dtype) for a in eqn.invars[:2]]
+        if eqn.primitive.name == "dot_general" and any("float8" in d for d in ins):
+            out.append(tuple(d.replace("float8_", "") for d in ins))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(_f8_dots(inner))
+    return out
+
+
+@pytest.mark.parametrize("remat", sorted(REMATS))
+def test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad(remat):
+    f = _remat_mlp(REMATS[remat])
+    params = _mlp_params([256, 256, 256, 256, 256], seed=3)
+    p = jmp_rewrite.paint(jax.grad(f), params, X, dtype=BF16, fp8=True)
+    rows = [(e.float8, "rematted_computation" in e.scope) for e in p.find("dot_general")]
+    recomputed = [fmt for fmt, again in rows if again]
+    grads = [fmt for fmt, again in rows if fmt.startswith("e5m2") or "x e5m2" in fmt]
+    # the 2 selected forward GEMMs, recomputed (where the policy does not save them) as
+    # e4m3 x e4m3, never with an e5m2 operand; each has its 2 gradient GEMMs in float8
+    assert [fmt for fmt, again in rows if fmt == "e4m3 x e4m3" and not again] == ["e4m3 x e4m3"] * 2
+    assert all(fmt in ("", "e4m3 x e4m3") for fmt in recomputed)
+    if remat != "dots_saveable":
+        assert recomputed.count("e4m3 x e4m3") == 2
+    assert sorted(grads) == ["e5m2 x e4m3"] * 4
+
+
+@pytest.mark.parametrize("remat, jit", [("checkpoint", False), ("dots_saveable", True)])
+def test_remat_both_orders_gradients_against_float32(remat, jit):
+    f = _remat_mlp(REMATS[remat])
+    params = _mlp_params([256, 256, 256, 256, 256], seed=3)
+    ref = jax.grad(_remat_mlp(lambda g: g))(params, X * 0.3)
+    plain = jax.grad(jmp_rewrite.rewrite(_remat_mlp(lambda g: g), dtype=BF16, fp8=True))
+    base = [_rel(g, r) for g, r in zip(plain(params, X * 0.3), ref, strict=True)]
+    for fn in (
+        jax.grad(jmp_rewrite.rewrite(f, dtype=BF16, fp8=True)),
+        jmp_rewrite.rewrite(jax.grad(f), dtype=BF16, fp8=True),
+    ):
+        got = (jax.jit(fn) if jit else fn)(params, X * 0.3)
+        errs = [_rel(g, r) for g, r in zip(got, ref, strict=True)]
+        assert max(errs) < 0.15, errs  # the stated float8 gradient tolerance
+        for e, b in zip(errs, base, strict=True):  # float8 where the plain program has it
+            assert e < 1.5 * b + 1e-3 and b < 1.5 * e + 1e-3, (errs, base)
+    # grad(rewrite): the recomputed forward is the custom_vjp's forward (e4m3 x e4m3), and the
+    # gradient GEMMs take the cotangent alone in e5m2
+    jaxpr = jax.make_jaxpr(jax.grad(jmp_rewrite.rewrite(f, dtype=BF16, fp8=True)))(params, X)
+    fmts = _f8_dots(jaxpr.jaxpr)
+    assert set(fmts) <= {("e4m3fn", "e4m3fn"), ("e5m2", "e4m3fn"), ("e4m3fn", "e5m2")}
+    assert fmts.count(("e5m2", "e4m3fn")) + fmts.count(("e4m3fn", "e5m2")) >= 4
+
+
+# -- selection edge cases: scan over layers, vmap, einsum --------------------------------------
+
+
+def _scan_model(params, x):
+    stack, head = params
+
+    def body(x, w):
+        return jnp.tanh(jnp.einsum("bld,de->ble", x, w)), None
+
+    x, _ = jax.lax.scan(body, x, stack)
+    return jnp.mean(jnp.einsum("bld,de->ble", x, head) ** 2)
+
+
+def _scan_params(layers=4):
+    k1, k2 = _keys(2, seed=5)
+    return (
+        0.06 * jax.random.normal(k1, (layers, 256, 256)),
+        0.06 * jax.random.normal(k2, (256, 256)),
+    )
+
+
+XB = jnp.ones((2, 128, 256)) * 0.3  # batch x length x features: M = 256
+
+
+def test_scan_over_layers_is_not_the_first_layer():
+    # the scan body's GEMM is every layer: keep_first must not keep them all bfloat16
+    params = _scan_params()
+    assert _float8(_scan_model, params, XB, fp8=True) == ["e4m3 x e4m3", ""]
+    p = jmp_rewrite.paint(jax.grad(_scan_model), params, XB, dtype=BF16, fp8=True)
+    assert [e.float8 for e in p.find("dot_general")][0] == "e4m3 x e4m3"
+    ref = jax.grad(_scan_model)(params, XB)
+    got = jax.jit(jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True)))(params, XB)
+    bf16 = jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16))(params, XB)
+    errs = [_rel(g, r) for g, r in zip(got, ref, strict=True)]
+    assert max(errs) < 0.15 and errs[0] > 2 * _rel(bf16[0], ref[0])  # the layers: float8's
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vmap_of_the_rewritten_function(jit):
+    params = _scan_params(layers=2)
+    xs = jnp.stack([XB, 2 * XB, -XB])
+    fn = jax.vmap(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True), in_axes=(None, 0))
+    fn = jax.jit(fn) if jit else fn
+    got, ref = fn(params, xs), jax.vmap(_scan_model, in_axes=(None, 0))(params, xs)
+    assert got.shape == (3,) and 1e-4 < _rel(got, ref) < 0.05
+    gfn = jax.vmap(jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True)), (None, 0))
+    g, r = gfn(params, xs), jax.vmap(jax.grad(_scan_model), (None, 0))(params, xs)
+    assert max(_rel(a, b) for a, b in zip(g, r, strict=True)) < 0.15
+
+
+def test_residuals_are_the_quantized_operands_and_scales():
+    def f(x, w):
+        return jnp.tanh(x @ w) @ w.T @ w
+
+    x, w = jnp.ones((256, 256)), jnp.full((256, 256), 0.01)
+    rules = jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False)
+    _, vjp = jax.vjp(jmp_rewrite.rewrite(f, dtype=BF16, fp8=rules), x, w)
+    res = [(np.dtype(a.dtype), a.size) for a in jax.tree.leaves(vjp)]
+    assert [d for d, n in res if n > 1 and d == np.float32] == []  # no float32 copies
+    assert sum(d == np.dtype(E4M3) for d, _ in res) == 6  # 3 GEMMs x 2 operands
+    assert sum(d == np.float32 and n == 1 for d, n in res) == 6  # their scales

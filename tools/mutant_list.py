@@ -773,4 +773,28 @@ MUTANTS: tuple[Mutant, ...] = (
         T_FP8 + "test_both_orders_quantize_the_same_gemms",
         "rewrite(grad(f)) leaves the gradient GEMMs of float8 matmuls in bfloat16",
     ),
+    _m(
+        "fp8.remat_forward_paired_as_gradient",
+        "fp8.py",
+        "        if d.where.phase == source_info.FORWARD or _rematerialised(d):",
+        "        if d.where.phase == source_info.FORWARD:",
+        T_FP8 + "test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad",
+        "a forward GEMM recomputed by jax.checkpoint takes its activation in e5m2",
+    ),
+    _m(
+        "fp8.calls_hide_shared_values",
+        "fp8.py",
+        "                    call = rec.kind in CALL_KINDS and len(inner.invars) == len(eqn.invars)",
+        "                    call = False",
+        T_FP8 + "test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad",
+        "gradient GEMMs inside a checkpoint's backward are not paired with their forward",
+    ),
+    _m(
+        "fp8.loop_gemm_kept_as_first_layer",
+        "fp8.py",
+        "    first = weights[0].node if weights and not weights[0].in_loop else None",
+        "    first = weights[0].node if weights else None",
+        T_FP8 + "test_scan_over_layers_is_not_the_first_layer",
+        "a scan over layers keeps every layer bfloat16 as if it were the input layer",
+    ),
 )
