@@ -590,3 +590,63 @@ def test_residuals_are_the_quantized_operands_and_scales():
     assert [d for d, n in res if n > 1 and d == np.float32] == []  # no float32 copies
     assert sum(d == np.dtype(E4M3) for d, _ in res) == 6  # 3 GEMMs x 2 operands
     assert sum(d == np.float32 and n == 1 for d, n in res) == 6  # their scales
+
+
+# -- explain: float8 as its own colour, FLOPs per group, the bytes float8 adds ------------------
+
+
+@pytest.fixture(scope="module")
+def f8_report():
+    params = _mlp_params([256, 512, 512, 200, 256])
+    return jmp_rewrite.explain(mlp, params, X, dtype=BF16, fp8=True)
+
+
+def test_groups_split_matmul_flops_into_float8_bf16_float32(f8_report):
+    by = {g.key: g for g in f8_report.groups("scope")}
+    dots = {e.scope: e for e in f8_report.equations if e.primitive == "dot_general"}
+    assert dots["layer1"].float8 and not dots["layer0"].float8  # the first stays bf16
+    f = dots["layer1"].flops
+    assert by["layer1"].total.float8_flops == f
+    assert by["layer1"].total.flops_split() == (f, 0, 0)
+    assert by["layer0"].total.flops_split() == (0, dots["layer0"].flops, 0)
+    total = explain_view_total(f8_report)
+    assert total.flops_split()[0] == sum(e.flops for e in dots.values() if e.float8)
+    assert sum(total.flops_split()) == f8_report.matmul_flops
+    no_dots = [g for g in by.values() if not g.total.flops]
+    assert no_dots and all(g.total.flops_split() is None for g in no_dots)
+
+
+def explain_view_total(report):
+    from jmp_rewrite._src import explain_view
+
+    total = explain_view.GroupStats()
+    for g in report.groups("scope"):
+        total.add(g.total)
+    return total
+
+
+def test_summary_counts_the_bytes_float8_adds(f8_report):
+    dots = [e for e in f8_report.equations if e.primitive == "dot_general" and e.float8]
+    assert len(dots) == 1  # layer1: a 256x512 activation and a 512x512 weight
+    assert f8_report.float8_added_bytes == 256 * 512 + 512 * 512 + 8
+    assert f"float8 adds {256 * 512 + 512 * 512 + 8:,} bytes" in f8_report.summary()
+    off = jmp_rewrite.explain(mlp, _mlp_params([256, 512, 512, 200, 256]), X, dtype=BF16)
+    assert off.float8_added_bytes == 0 and "float8" not in off.summary()
+
+
+def test_html_shows_float8_in_its_own_colour(f8_report):
+    from jmp_rewrite._src import explain_html
+
+    page = f8_report.to_html()
+    colour = explain_html.FLOAT8_COLOUR
+    assert colour != explain_html.HALF_COLOUR
+    legend = page[page.index("Legend") :]
+    assert f"style='{explain_html.FLOAT8_STYLE}'>float8</span>" in legend
+    assert page.count(f'style="{explain_html.FLOAT8_STYLE}"') == 1  # the one float8 row
+    assert ">float8 e4m3 x e4m3</td>" in page
+    assert "in float8</th>" in page and f"color:{colour}" in page  # table and chips
+    # the matmuls left bfloat16 say why on hover
+    assert "not float8: the first weight GEMM" in page and "not float8: shape: N=200" in page
+    plain = jmp_rewrite.explain(mlp, _mlp_params([256, 512, 512, 200, 256]), X, dtype=BF16)
+    assert "in float8</th>" not in plain.to_html()
+    assert plain.to_html().count(explain_html.FLOAT8_STYLE) == 1  # the legend only

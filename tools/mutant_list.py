@@ -776,8 +776,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "fp8.remat_forward_paired_as_gradient",
         "fp8.py",
-        "        if d.where.phase == source_info.FORWARD or _rematerialised(d):",
-        "        if d.where.phase == source_info.FORWARD:",
+        '    return "rematted_computation" in jc.name_stack(d.eqn)',
+        "    return False",
         T_FP8 + "test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad",
         "a forward GEMM recomputed by jax.checkpoint takes its activation in e5m2",
     ),
@@ -796,5 +796,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "    first = weights[0].node if weights else None",
         T_FP8 + "test_scan_over_layers_is_not_the_first_layer",
         "a scan over layers keeps every layer bfloat16 as if it were the input layer",
+    ),
+    _m(
+        "fp8.groups_count_no_float8_flops",
+        "explain_view.py",
+        "        float8_flops=e.flops if e.float8 else 0,",
+        "        float8_flops=0,",
+        T_FP8 + "test_groups_split_matmul_flops_into_float8_bf16_float32",
+        "explain's groups count float8 matmuls as bfloat16 ones",
     ),
 )

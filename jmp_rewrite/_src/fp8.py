@@ -20,9 +20,13 @@ the cotangent in e5m2 and reuse the forward's quantized operand (a ``jax.custom_
 backward matmuls are already in the program: a backward-pass ``dot_general`` that reads the
 very same value as a selected forward matmul of its jaxpr (JAX's transpose of a
 ``dot_general`` reads the forward's operands) is quantized the same way, the shared operand
-e4m3 and the other (the cotangent) e5m2. Forward and backward in separate jaxprs (a
-``scan`` over layers differentiated before the rewrite) cannot be paired that way: there the
-backward matmuls stay bfloat16; ``grad(rewrite(f))`` quantizes them.
+e4m3 and the other (the cotangent) e5m2; values are followed through calls (``jit``, the
+backward pass's ``checkpoint`` bodies). A forward matmul that ``jax.checkpoint`` recomputes in
+the backward pass (``rematted_computation``) is a forward GEMM, run as its forward is (e4m3 x
+e4m3), never paired as a gradient GEMM. Forward and backward in separate jaxprs (a ``scan``
+over layers differentiated before the rewrite) cannot be paired that way: there the
+backward matmuls stay bfloat16; ``grad(rewrite(f))`` quantizes them. A GEMM in a loop body is
+every iteration's: never "the first" or "the last" weight GEMM.
 
 Emission: on CUDA the float8 operands go to ``dot_general`` with a
 ``lax.DotAlgorithmPreset.ANY_F8_ANY_F8_*`` precision, the only form XLA:GPU turns into the
