@@ -650,3 +650,36 @@ def test_html_shows_float8_in_its_own_colour(f8_report):
     plain = jmp_rewrite.explain(mlp, _mlp_params([256, 512, 512, 200, 256]), X, dtype=BF16)
     assert "in float8</th>" not in plain.to_html()
     assert plain.to_html().count(explain_html.FLOAT8_STYLE) == 1  # the legend only
+
+
+def test_flax_remat_blocks_in_rewrite_of_grad():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(256, use_bias=False)(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(4):
+                x = nn.remat(Block)(name=f"b{i}")(x)
+            return nn.Dense(256, use_bias=False)(x)
+
+    model, x = Model(), X * 0.3
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    p = jmp_rewrite.paint(jax.grad(loss), params, x, dtype=BF16, fp8=True)
+    rows = [(e.float8, e.scope) for e in p.find("dot_general")]
+    again = {s.split("/")[1]: f for f, s in rows if s.startswith("rematted_computation/")}
+    assert again == {"b0": "", "b1": "e4m3 x e4m3", "b2": "e4m3 x e4m3", "b3": "e4m3 x e4m3"}
+    grads = sorted(f for f, s in rows if "e5m2" in f)
+    assert grads == ["e5m2 x e4m3"] * 6  # 2 per float8 block, the cotangent alone e5m2
+    ref = jax.grad(loss)(params, x)
+    got = jmp_rewrite.rewrite(jax.grad(loss), dtype=BF16, fp8=True)(params, x)
+    errs = [_rel(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True)]
+    assert max(errs) < 0.15, errs
