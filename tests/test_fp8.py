@@ -561,9 +561,11 @@ def test_scan_over_layers_is_not_the_first_layer():
     assert [e.float8 for e in p.find("dot_general")][0] == "e4m3 x e4m3"
     ref = jax.grad(_scan_model)(params, XB)
     got = jax.jit(jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True)))(params, XB)
-    bf16 = jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16))(params, XB)
     errs = [_rel(g, r) for g, r in zip(got, ref, strict=True)]
-    assert max(errs) < 0.15 and errs[0] > 2 * _rel(bf16[0], ref[0])  # the layers: float8's
+    assert max(errs) < 0.15, errs
+    fn = jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True))
+    fmts = _f8_dots(jax.make_jaxpr(fn)(params, XB).jaxpr)  # the layers' GEMMs in the scans
+    assert ("e4m3fn", "e4m3fn") in fmts and ("e5m2", "e4m3fn") in fmts, fmts
 
 
 @pytest.mark.parametrize("jit", [False, True])
