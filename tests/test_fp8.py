@@ -446,3 +446,242 @@ def test_small_gpt_reaches_bf16_loss_milestones_with_float8():
         assert a is not None and b is not None, (level, bf16[-1], f8[-1])
         assert abs(a - b) <= max(2, 0.05 * a), (level, a, b)
     assert f8[-1] < 2 * bf16[-1] + 0.05
+
+
+# -- rematerialisation: a forward GEMM recomputed in the backward pass stays a forward one ----
+
+REMATS = {
+    "checkpoint": jax.checkpoint,
+    "remat": jax.remat,
+    "dots_saveable": lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable),
+    "nothing_saveable": lambda f: jax.checkpoint(
+        f, policy=jax.checkpoint_policies.nothing_saveable
+    ),
+}
+
+
+def _remat_mlp(remat):
+    def block(x, w):
+        return jnp.tanh(x @ w)
+
+    def f(params, x):
+        for i, w in enumerate(params):
+            with jax.named_scope(f"layer{i}"):
+                x = remat(block)(x, w) if i < len(params) - 1 else x @ w
+        return jnp.mean(x**2)
+
+    return f
+
+
+def _f8_dots(jaxpr):
+    """(lhs, rhs) dtypes of every float8 dot_general of a jaxpr, sub-jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        ins = [str(a.aval.dtype) for a in eqn.invars[:2]]
+        if eqn.primitive.name == "dot_general" and any("float8" in d for d in ins):
+            out.append(tuple(d.replace("float8_", "") for d in ins))
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out.extend(_f8_dots(inner))
+    return out
+
+
+@pytest.mark.parametrize("remat", sorted(REMATS))
+def test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad(remat):
+    f = _remat_mlp(REMATS[remat])
+    params = _mlp_params([256, 256, 256, 256, 256], seed=3)
+    p = jmp_rewrite.paint(jax.grad(f), params, X, dtype=BF16, fp8=True)
+    rows = [(e.float8, "rematted_computation" in e.scope) for e in p.find("dot_general")]
+    recomputed = [fmt for fmt, again in rows if again]
+    grads = [fmt for fmt, again in rows if fmt.startswith("e5m2") or "x e5m2" in fmt]
+    # the 2 selected forward GEMMs, recomputed (where the policy does not save them) as
+    # e4m3 x e4m3, never with an e5m2 operand; each has its 2 gradient GEMMs in float8
+    assert [fmt for fmt, again in rows if fmt == "e4m3 x e4m3" and not again] == ["e4m3 x e4m3"] * 2
+    assert all(fmt in ("", "e4m3 x e4m3") for fmt in recomputed)
+    if remat != "dots_saveable":
+        assert recomputed.count("e4m3 x e4m3") == 2
+    assert sorted(grads) == ["e5m2 x e4m3"] * 4
+
+
+@pytest.mark.parametrize("remat, jit", [("checkpoint", False), ("dots_saveable", True)])
+def test_remat_both_orders_gradients_against_float32(remat, jit):
+    f = _remat_mlp(REMATS[remat])
+    params = _mlp_params([256, 256, 256, 256, 256], seed=3)
+    ref = jax.grad(_remat_mlp(lambda g: g))(params, X * 0.3)
+    plain = jax.grad(jmp_rewrite.rewrite(_remat_mlp(lambda g: g), dtype=BF16, fp8=True))
+    base = [_rel(g, r) for g, r in zip(plain(params, X * 0.3), ref, strict=True)]
+    for fn in (
+        jax.grad(jmp_rewrite.rewrite(f, dtype=BF16, fp8=True)),
+        jmp_rewrite.rewrite(jax.grad(f), dtype=BF16, fp8=True),
+    ):
+        got = (jax.jit(fn) if jit else fn)(params, X * 0.3)
+        errs = [_rel(g, r) for g, r in zip(got, ref, strict=True)]
+        assert max(errs) < 0.15, errs  # the stated float8 gradient tolerance
+        for e, b in zip(errs, base, strict=True):  # float8 where the plain program has it
+            assert e < 1.5 * b + 1e-3 and b < 1.5 * e + 1e-3, (errs, base)
+    # grad(rewrite): the recomputed forward is the custom_vjp's forward (e4m3 x e4m3), and the
+    # gradient GEMMs take the cotangent alone in e5m2
+    jaxpr = jax.make_jaxpr(jax.grad(jmp_rewrite.rewrite(f, dtype=BF16, fp8=True)))(params, X)
+    fmts = _f8_dots(jaxpr.jaxpr)
+    assert set(fmts) <= {("e4m3fn", "e4m3fn"), ("e5m2", "e4m3fn"), ("e4m3fn", "e5m2")}
+    assert fmts.count(("e5m2", "e4m3fn")) + fmts.count(("e4m3fn", "e5m2")) >= 4
+
+
+# -- selection edge cases: scan over layers, vmap, einsum --------------------------------------
+
+
+def _scan_model(params, x):
+    stack, head = params
+
+    def body(x, w):
+        return jnp.tanh(jnp.einsum("bld,de->ble", x, w)), None
+
+    x, _ = jax.lax.scan(body, x, stack)
+    return jnp.mean(jnp.einsum("bld,de->ble", x, head) ** 2)
+
+
+def _scan_params(layers=4):
+    k1, k2 = _keys(2, seed=5)
+    return (
+        0.06 * jax.random.normal(k1, (layers, 256, 256)),
+        0.06 * jax.random.normal(k2, (256, 256)),
+    )
+
+
+XB = jnp.ones((2, 128, 256)) * 0.3  # batch x length x features: M = 256
+
+
+def test_scan_over_layers_is_not_the_first_layer():
+    # the scan body's GEMM is every layer: keep_first must not keep them all bfloat16
+    params = _scan_params()
+    assert _float8(_scan_model, params, XB, fp8=True) == ["e4m3 x e4m3", ""]
+    p = jmp_rewrite.paint(jax.grad(_scan_model), params, XB, dtype=BF16, fp8=True)
+    assert [e.float8 for e in p.find("dot_general")][0] == "e4m3 x e4m3"
+    ref = jax.grad(_scan_model)(params, XB)
+    got = jax.jit(jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True)))(params, XB)
+    errs = [_rel(g, r) for g, r in zip(got, ref, strict=True)]
+    assert max(errs) < 0.15, errs
+    fn = jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True))
+    fmts = _f8_dots(jax.make_jaxpr(fn)(params, XB).jaxpr)  # the layers' GEMMs in the scans
+    assert ("e4m3fn", "e4m3fn") in fmts and ("e5m2", "e4m3fn") in fmts, fmts
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vmap_of_the_rewritten_function(jit):
+    params = _scan_params(layers=2)
+    xs = jnp.stack([XB, 2 * XB, -XB])
+    fn = jax.vmap(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True), in_axes=(None, 0))
+    fn = jax.jit(fn) if jit else fn
+    got, ref = fn(params, xs), jax.vmap(_scan_model, in_axes=(None, 0))(params, xs)
+    assert got.shape == (3,) and 1e-4 < _rel(got, ref) < 0.05
+    gfn = jax.vmap(jax.grad(jmp_rewrite.rewrite(_scan_model, dtype=BF16, fp8=True)), (None, 0))
+    g, r = gfn(params, xs), jax.vmap(jax.grad(_scan_model), (None, 0))(params, xs)
+    assert max(_rel(a, b) for a, b in zip(g, r, strict=True)) < 0.15
+
+
+def test_residuals_are_the_quantized_operands_and_scales():
+    def f(x, w):
+        return jnp.tanh(x @ w) @ w.T @ w
+
+    x, w = jnp.ones((256, 256)), jnp.full((256, 256), 0.01)
+    rules = jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False)
+    _, vjp = jax.vjp(jmp_rewrite.rewrite(f, dtype=BF16, fp8=rules), x, w)
+    res = [(np.dtype(a.dtype), a.size) for a in jax.tree.leaves(vjp)]
+    assert [d for d, n in res if n > 1 and d == np.float32] == []  # no float32 copies
+    assert sum(d == np.dtype(E4M3) for d, _ in res) == 6  # 3 GEMMs x 2 operands
+    assert sum(d == np.float32 and n == 1 for d, n in res) == 6  # their scales
+
+
+# -- explain: float8 as its own colour, FLOPs per group, the bytes float8 adds ------------------
+
+
+@pytest.fixture(scope="module")
+def f8_report():
+    params = _mlp_params([256, 512, 512, 200, 256])
+    return jmp_rewrite.explain(mlp, params, X, dtype=BF16, fp8=True)
+
+
+def test_groups_split_matmul_flops_into_float8_bf16_float32(f8_report):
+    by = {g.key: g for g in f8_report.groups("scope")}
+    dots = {e.scope: e for e in f8_report.equations if e.primitive == "dot_general"}
+    assert dots["layer1"].float8 and not dots["layer0"].float8  # the first stays bf16
+    f = dots["layer1"].flops
+    assert by["layer1"].total.float8_flops == f
+    assert by["layer1"].total.flops_split() == (f, 0, 0)
+    assert by["layer0"].total.flops_split() == (0, dots["layer0"].flops, 0)
+    total = explain_view_total(f8_report)
+    assert total.flops_split()[0] == sum(e.flops for e in dots.values() if e.float8)
+    assert sum(total.flops_split()) == f8_report.matmul_flops
+    no_dots = [g for g in by.values() if not g.total.flops]
+    assert no_dots and all(g.total.flops_split() is None for g in no_dots)
+
+
+def explain_view_total(report):
+    from jmp_rewrite._src import explain_view
+
+    total = explain_view.GroupStats()
+    for g in report.groups("scope"):
+        total.add(g.total)
+    return total
+
+
+def test_summary_counts_the_bytes_float8_adds(f8_report):
+    dots = [e for e in f8_report.equations if e.primitive == "dot_general" and e.float8]
+    assert len(dots) == 1  # layer1: a 256x512 activation and a 512x512 weight
+    assert f8_report.float8_added_bytes == 256 * 512 + 512 * 512 + 8
+    assert f"float8 adds {256 * 512 + 512 * 512 + 8:,} bytes" in f8_report.summary()
+    off = jmp_rewrite.explain(mlp, _mlp_params([256, 512, 512, 200, 256]), X, dtype=BF16)
+    assert off.float8_added_bytes == 0 and "float8" not in off.summary()
+
+
+def test_html_shows_float8_in_its_own_colour(f8_report):
+    from jmp_rewrite._src import explain_html
+
+    page = f8_report.to_html()
+    colour = explain_html.FLOAT8_COLOUR
+    assert colour != explain_html.HALF_COLOUR
+    legend = page[page.index("Legend") :]
+    assert f"style='{explain_html.FLOAT8_STYLE}'>float8</span>" in legend
+    assert page.count(f'style="{explain_html.FLOAT8_STYLE}"') == 1  # the one float8 row
+    assert ">float8 e4m3 x e4m3</td>" in page
+    assert "in float8</th>" in page and f"color:{colour}" in page  # table and chips
+    # the matmuls left bfloat16 say why on hover
+    assert "not float8: the first weight GEMM" in page and "not float8: shape: N=200" in page
+    plain = jmp_rewrite.explain(mlp, _mlp_params([256, 512, 512, 200, 256]), X, dtype=BF16)
+    assert "in float8</th>" not in plain.to_html()
+    assert plain.to_html().count(explain_html.FLOAT8_STYLE) == 1  # the legend only
+
+
+def test_flax_remat_blocks_in_rewrite_of_grad():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(256, use_bias=False)(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(4):
+                x = nn.remat(Block)(name=f"b{i}")(x)
+            return nn.Dense(256, use_bias=False)(x)
+
+    model, x = Model(), X * 0.3
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    p = jmp_rewrite.paint(jax.grad(loss), params, x, dtype=BF16, fp8=True)
+    rows = [(e.float8, e.scope) for e in p.find("dot_general")]
+    again = {s.split("/")[1]: f for f, s in rows if s.startswith("rematted_computation/")}
+    assert again == {"b0": "", "b1": "e4m3 x e4m3", "b2": "e4m3 x e4m3", "b3": "e4m3 x e4m3"}
+    grads = sorted(f for f, s in rows if "e5m2" in f)
+    assert grads == ["e5m2 x e4m3"] * 6  # 2 per float8 block, the cotangent alone e5m2
+    ref = jax.grad(loss)(params, x)
+    got = jmp_rewrite.rewrite(jax.grad(loss), dtype=BF16, fp8=True)(params, x)
+    errs = [_rel(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True)]
+    assert max(errs) < 0.15, errs

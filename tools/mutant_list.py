@@ -1101,4 +1101,37 @@ MUTANTS: tuple[Mutant, ...] = (
         T_PINS + "test_exp2_after_a_half_matmul_stays_float32",
         "2**x is infer: it overflows half where float32 does not",
     ),
+    # ---- branch fp8, second round: remat, scans over layers, explain views ----------------
+    _m(
+        "fp8.remat_forward_paired_as_gradient",
+        "fp8.py",
+        '    return "rematted_computation" in jc.name_stack(d.eqn)',
+        "    return False",
+        T_FP8 + "test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad",
+        "a forward GEMM recomputed by jax.checkpoint takes its activation in e5m2",
+    ),
+    _m(
+        "fp8.calls_hide_shared_values",
+        "fp8.py",
+        "                    call = rec.kind in CALL_KINDS and len(inner.invars) == len(eqn.invars)",
+        "                    call = False",
+        T_FP8 + "test_rematerialised_forward_gemms_stay_e4m3_in_rewrite_of_grad",
+        "gradient GEMMs inside a checkpoint's backward are not paired with their forward",
+    ),
+    _m(
+        "fp8.loop_gemm_kept_as_first_layer",
+        "fp8.py",
+        "    first = weights[0].node if weights and not weights[0].in_loop else None",
+        "    first = weights[0].node if weights else None",
+        T_FP8 + "test_scan_over_layers_is_not_the_first_layer",
+        "a scan over layers keeps every layer bfloat16 as if it were the input layer",
+    ),
+    _m(
+        "fp8.groups_count_no_float8_flops",
+        "explain_view.py",
+        "        float8_flops=e.flops if e.float8 else 0,",
+        "        float8_flops=0,",
+        T_FP8 + "test_groups_split_matmul_flops_into_float8_bf16_float32",
+        "explain's groups count float8 matmuls as bfloat16 ones",
+    ),
 )

@@ -155,6 +155,15 @@ class Report:
         :attr:`half_flops_share`); None without any matmul."""
         return shapes.ratio(sum(e.flops for e in self.equations if e.float8), self.matmul_flops)
 
+    @property
+    def float8_added_bytes(self) -> int:
+        """Bytes the float8 matmuls add (``fp8=True``): per float8 matmul equation (a loop
+        body's: per iteration), its operands' quantized copies (a byte an element) and their
+        two float32 scales."""
+        return sum(
+            sum(math.prod(s) for s in e.in_shapes[:2]) + 8 for e in self.equations if e.float8
+        )
+
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
         out: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"half": 0, "float32": 0})
@@ -177,7 +186,8 @@ class Report:
             f8, half = self.float8_flops_share, self.half_flops_share or 0.0
             lines.append(
                 f"matmul FLOPs in float8 / {self.dtype} / float32: {100 * f8:.1f}% / "
-                f"{100 * (half - f8):.1f}% / {100 * (1 - half):.1f}%"
+                f"{100 * (half - f8):.1f}% / {100 * (1 - half):.1f}%; float8 adds "
+                f"{self.float8_added_bytes:,} bytes (quantized operands and scales)"
             )
         if self.residual_bytes_float32 is not None:
             lines.append(

@@ -44,6 +44,9 @@ LIST_COLOURS = {
     "unlisted": "#e6e6e6",
 }
 HALF_COLOUR = "#6aa84f"
+#: Matmuls run in float8 (``fp8=True``): a colour of their own, apart from half precision.
+FLOAT8_COLOUR = "#7b3fa0"
+FLOAT8_STYLE = f"background:{FLOAT8_COLOUR};color:#fff;font-weight:600"
 
 #: TF's four lists (and "unlisted"), in words.
 LIST_MEANINGS = {
@@ -126,10 +129,14 @@ def _chips(s: GroupStats, phases: dict[str, GroupStats], half_colour: str) -> st
         f'<span class="chip">{_plural(s.casts, "cast")}</span>',
     ]
     if s.flops:
-        parts.append(
-            f'<span class="chip">{_fmt_flops(s.flops)} FLOPs, {_pct(s.half_flops_share)} '
-            "half</span>"
-        )
+        words = f"{_fmt_flops(s.flops)} FLOPs, {_pct(s.half_flops_share)} half"
+        if s.float8_flops:
+            f8, half, f32 = (_pct(n / s.flops) for n in s.flops_split())
+            words += (
+                f' (<span style="color:{FLOAT8_COLOUR};font-weight:600">{f8} float8</span> / '
+                f"{half} / {f32} float32)"
+            )
+        parts.append(f'<span class="chip">{words}</span>')
     parts.append(
         f'<span class="chip" title="bytes produced after the rewrite">out: '
         f"{_fmt_bytes(s.bytes_float32)} f32 / {_fmt_bytes(s.bytes_half)} half</span>"
@@ -161,6 +168,10 @@ def _equation_rows(eqs: list[EquationReport], colours: dict[str, str], half: str
         precision = "half" if e.half else e.colour if floats else "no floats"
         style = "half" if e.half else "deny" if e.colour == "deny" else "float32"
         p_style = _PRECISION_STYLES[style if floats else "none"].format(half=half, **colours)
+        if e.float8:
+            precision, p_style = f"float8 {e.float8}", FLOAT8_STYLE
+        elif e.float8_left:  # the reason a matmul stays half precision under fp8=True
+            title = html.escape(f"{e.list} op, not float8: {e.float8_left}")
         shape = ", ".join(_shape(s, d) for s, d in zip(e.out_shapes, e.out_dtypes_after))
         rows.append(
             f'<tr class="eq" title="{title}"><td>{e.phase}</td>'
@@ -235,9 +246,15 @@ def _summary_table(report: Report) -> str:
     head = ["equations", "half", "casts", "matmul/conv FLOPs", "in half", "float32 out"]
     rows = ["<tr><th>phase</th>" + "".join(f"<th class='num'>{h}</th>" for h in head)]
     rows[0] += "<th class='num'>half out</th></tr>"
-    for p, s in phase_totals(report).items():
+    totals = phase_totals(report)
+    float8 = any(s.float8_flops for s in totals.values())
+    if float8:
+        rows[0] = rows[0].replace("in half</th>", "in half</th><th class='num'>in float8</th>")
+    for p, s in totals.items():
         cells = [s.equations, _pct(s.half_share), s.casts, _fmt_flops(s.flops)]
-        cells += [_pct(s.half_flops_share), _fmt_bytes(s.bytes_float32), _fmt_bytes(s.bytes_half)]
+        cells += [_pct(s.half_flops_share)]
+        cells += [_pct(s.float8_flops / s.flops if s.flops else None)] if float8 else []
+        cells += [_fmt_bytes(s.bytes_float32), _fmt_bytes(s.bytes_half)]
         rows.append(f"<tr><td>{p}</td>" + "".join(f"<td class='num'>{c}</td>" for c in cells))
     return f"<table>{''.join(rows)}</table>"
 
@@ -276,6 +293,8 @@ def _legend() -> str:
         f"<p>The <b>list</b> column is the TF list the op is on (its colour above). The "
         f"<b>precision</b> column is what the rewrite decided: <span class='tag' "
         f"style='{half}'>half</span> runs in half precision, <span class='tag' "
+        f"style='{FLOAT8_STYLE}'>float8</span> a matmul with float8 operands (fp8=True; "
+        "e4m3 forward, e5m2 cotangents; bfloat16 result), <span class='tag' "
         f"style='{deny}'>deny</span> is kept float32 by a deny-list op, <span class='tag' "
         f"style='{f32}'>float32</span> is left float32 (nothing made it half). The <b>why</b> "
         "column says which of TF's passes decided it, in words; hover a row for the pass's "

@@ -87,7 +87,8 @@ class GroupStats:
       half: equations that run in half precision.
       casts: casts inserted for them.
       flops: matmul/conv FLOPs (times ``scan`` lengths).
-      half_flops: of which run in half precision.
+      half_flops: of which run in half precision (float8 included).
+      float8_flops: of which run in float8 (``fp8=True``).
       bytes_float32: bytes they produce in float32 after the rewrite.
       bytes_half: bytes they produce in half precision after the rewrite.
     """
@@ -97,6 +98,7 @@ class GroupStats:
     casts: int = 0
     flops: int = 0
     half_flops: int = 0
+    float8_flops: int = 0
     bytes_float32: int = 0
     bytes_half: int = 0
 
@@ -108,6 +110,14 @@ class GroupStats:
     def half_flops_share(self) -> float | None:
         """None when there are no matmul/conv FLOPs."""
         return shape_lib.ratio(self.half_flops, self.flops)
+
+    def flops_split(self) -> tuple[int, int, int] | None:
+        """Matmul/conv FLOPs in float8, in the half dtype (not float8) and in float32; None
+        when there are none."""
+        if not self.flops:
+            return None
+        half = self.half_flops - self.float8_flops
+        return self.float8_flops, half, self.flops - self.half_flops
 
     def add(self, other: GroupStats) -> None:
         for f in dataclasses.fields(self):
@@ -123,6 +133,7 @@ def _stats(e: EquationReport, casts: int) -> GroupStats:
         casts=casts,
         flops=e.flops,
         half_flops=e.flops if e.half else 0,
+        float8_flops=e.flops if e.float8 else 0,
         bytes_float32=f32,
         bytes_half=half,
     )

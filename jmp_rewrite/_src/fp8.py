@@ -20,9 +20,13 @@ the cotangent in e5m2 and reuse the forward's quantized operand (a ``jax.custom_
 backward matmuls are already in the program: a backward-pass ``dot_general`` that reads the
 very same value as a selected forward matmul of its jaxpr (JAX's transpose of a
 ``dot_general`` reads the forward's operands) is quantized the same way, the shared operand
-e4m3 and the other (the cotangent) e5m2. Forward and backward in separate jaxprs (a
-``scan`` over layers differentiated before the rewrite) cannot be paired that way: there the
-backward matmuls stay bfloat16; ``grad(rewrite(f))`` quantizes them.
+e4m3 and the other (the cotangent) e5m2; values are followed through calls (``jit``, the
+backward pass's ``checkpoint`` bodies). A forward matmul that ``jax.checkpoint`` recomputes in
+the backward pass (``rematted_computation``) is a forward GEMM, run as its forward is (e4m3 x
+e4m3), never paired as a gradient GEMM. Forward and backward in separate jaxprs (a ``scan``
+over layers differentiated before the rewrite) cannot be paired that way: there the
+backward matmuls stay bfloat16; ``grad(rewrite(f))`` quantizes them. A GEMM in a loop body is
+every iteration's: never "the first" or "the last" weight GEMM.
 
 Emission: on CUDA the float8 operands go to ``dot_general`` with a
 ``lax.DotAlgorithmPreset.ANY_F8_ANY_F8_*`` precision, the only form XLA:GPU turns into the
@@ -49,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src import source_info
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -228,14 +233,28 @@ class _Dot:
     origins: tuple[Any, ...]  # graph origins of the operands
     producers: tuple[Any, ...]  # producing equations of the operands in this scope
     where: source_info.Origin
+    values: tuple[Any, ...]  # the operands as values of the whole program (see _dots)
+    in_loop: bool = False  # in a scan or while body: one equation for every iteration
 
 
 def _dots(graph: Any, painting: Any, where: dict[int, source_info.Origin]) -> list[_Dot]:
-    """Every ``dot_general`` painted half precision, in program order."""
-    out: list[_Dot] = []
+    """Every ``dot_general`` painted half precision, in program order.
 
-    def visit(scope: Any) -> None:
+    Each operand is also named as a value of the whole program: a call's (``jit``,
+    ``checkpoint``, ``custom_vjp``) parameter is the caller's argument, its result what the
+    body returns, so that a gradient GEMM inside the backward pass's ``checkpoint`` reads
+    the same value as the forward GEMM outside. Loop bodies keep values of their own (one
+    per iteration)."""
+    out: list[_Dot] = []
+    visits = iter(range(1 << 62))
+
+    def visit(scope: Any, names: dict[Any, Any], in_loop: bool) -> int:
         producers: dict[Any, Any] = {}
+        here = next(visits)
+
+        def value(a: Any) -> Any:
+            return None if jc.is_literal(a) else names.get(a, (here, a))
+
         for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
             if (
                 eqn.primitive.name == "dot_general"
@@ -252,17 +271,59 @@ def _dots(graph: Any, painting: Any, where: dict[int, source_info.Origin]) -> li
                         tuple(rec.operand_origins[:2]) if rec.operand_origins else (None, None),
                         tuple(None if jc.is_literal(a) else producers.get(a) for a in ops),
                         where.get(rec.node, source_info.Origin()),
+                        tuple(value(a) for a in ops),
+                        in_loop,
                     )
                 )
             for v in eqn.outvars:
                 producers[v] = eqn
             for sub in rec.subs.values():
                 for s in sub if isinstance(sub, list) else [sub]:
-                    visit(s)
+                    inner = s.jaxpr
+                    call = rec.kind in CALL_KINDS and len(inner.invars) == len(eqn.invars)
+                    ins = (
+                        {v: value(a) for v, a in zip(inner.invars, eqn.invars) if value(a)}
+                        if call
+                        else {}
+                    )
+                    loop = rec.kind in (ho.SCAN, ho.WHILE)
+                    there = visit(s, ins, in_loop or loop)
+                    if call and len(inner.outvars) == len(eqn.outvars):
+                        for v, r in zip(eqn.outvars, inner.outvars, strict=True):
+                            if not jc.is_literal(r):
+                                names[v] = ins.get(r, (there, r))
+        return here
 
-    visit(graph.top)
+    visit(graph.top, {}, False)
     out.sort(key=lambda d: d.node)
     return out
+
+
+#: Higher-order kinds (graph.EqnRec.kind) whose body runs once per call, its parameters the
+#: caller's arguments (not loops: a loop body's values differ per iteration).
+CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)
+
+
+def _rematerialised(d: _Dot) -> bool:
+    """A forward matmul recomputed inside the backward pass by ``jax.checkpoint``: JAX
+    names the recomputation ``rematted_computation``; it is a forward GEMM, not a gradient
+    one, whatever the backward operands it shares a value with."""
+    return "rematted_computation" in jc.name_stack(d.eqn)
+
+
+def _same_gemm(forward: _Dot, remat: _Dot) -> bool:
+    """Whether ``remat`` recomputes ``forward``: same source, dimension numbers and operand
+    shapes, and a parameter value (a weight operand) in common."""
+    f, r = forward.eqn, remat.eqn
+    return (
+        forward.where.source == remat.where.source
+        and f.params["dimension_numbers"] == r.params["dimension_numbers"]
+        and [a.aval.shape for a in f.invars[:2]] == [a.aval.shape for a in r.invars[:2]]
+        and any(
+            fv is not None and fv == rv and _weight_operand(o)
+            for fv, rv, o in zip(forward.values, remat.values, forward.origins, strict=True)
+        )
+    )
 
 
 def _weight_operand(origin: Any) -> bool:
@@ -285,8 +346,10 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
         for d in forward
         if any(_weight_operand(o) for o in d.origins) and not any(map(_one_hot, d.producers))
     ]
-    first = weights[0].node if weights else None
-    last = weights[-1].node if weights else None
+    # The input layer and the head run once: a GEMM in a loop body is every layer of a
+    # ``scan`` over layers, not the first or last of them (keeping it would keep them all).
+    first = weights[0].node if weights and not weights[0].in_loop else None
+    last = weights[-1].node if weights and not weights[-1].in_loop else None
     weight_ids = {d.node for d in weights}
     for d in forward:
         if d.node in weight_ids:
@@ -309,19 +372,25 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
             sel.left[d.node] = reason
         else:
             sel.dots[d.node] = Fp8Dot((E4M3, E4M3), True, source_info.FORWARD)
+    # rewrite(grad(jax.checkpoint(f))): the forward GEMMs recomputed in the backward pass
+    # run as their forward does (e4m3 x e4m3): the one reading the same parameter value, of
+    # the same source and shapes. One whose forward is not found (in a loop) stays bfloat16.
+    remat = [d for d in dots if d.where.phase != source_info.FORWARD and _rematerialised(d)]
+    for d in remat:
+        twin = next((f for f in forward if _same_gemm(f, d)), None)
+        if twin is None:
+            sel.left[d.node] = "a recomputed forward matmul whose forward was not found"
+        elif twin.node in sel.dots:
+            sel.dots[d.node] = sel.dots[twin.node]
+        else:
+            sel.left[d.node] = sel.left[twin.node]
     # rewrite(grad(f)): the gradient GEMMs of the selected forward ones, paired through the
     # value they share (JAX's transpose of a dot_general reads the forward's operands).
-    shared: dict[tuple[int, Any], int] = {}
-    for d in forward:
-        if d.node in sel.dots:
-            for a in d.eqn.invars[:2]:
-                if not jc.is_literal(a):
-                    shared[(id(d.scope), a)] = d.node
+    shared = {v for d in (*forward, *remat) if d.node in sel.dots for v in d.values if v}
     for d in dots:
-        if d.where.phase != source_info.BACKWARD:
+        if d.where.phase == source_info.FORWARD or _rematerialised(d):
             continue
-        ops = d.eqn.invars[:2]
-        hits = [not jc.is_literal(a) and (id(d.scope), a) in shared for a in ops]
+        hits = [v is not None and v in shared for v in d.values]
         exc = _matches(rules.exclude, d.where)
         used.update(exc)
         if hits.count(True) != 1 or exc:
