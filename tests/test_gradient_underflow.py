@@ -5,13 +5,13 @@ PPO loss (ratio of probabilities, clipped surrogate, value loss, entropy) are di
 in float16. Judged against float32, the rewrite's query/key weight gradients are as far off
 as a hand-written float16 model's that rounds its cotangents to float16 (1.6% here), and
 further than a hand-written model that asks its matmuls for float32 results
-(``preferred_element_type=jnp.float32``: 0.2%). The values that model holds in float32 are
+(``preferred_element_type=jnp.float32``: 0.17%). The values that model holds in float32 are
 the cotangents entering the backward matmuls, and so the backward matmuls themselves: JAX's
 transpose of a half x half -> float32 matmul multiplies the float32 cotangent by the half
 operand upcast to float32, i.e. runs the backward matmuls, two thirds of a training step's
 matmul FLOPs, in float32. TF paints them allow (its gradient MatMuls are MatMuls) and so
 does the rewrite; the fix for float16 is TF's, loss scaling, with which the rewrite is as
-close to float32 as that model (0.09% vs 0.2%). ``compare`` names the underflow and
+close to float32 as that model (0.09% vs 0.17%). ``compare`` names the underflow and
 ``explain(...).lint()`` the missing loss scale, both pointing to the loss-scale optimizer.
 """
 

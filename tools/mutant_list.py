@@ -628,7 +628,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.log_softmax_residual_not_deny",
         "graph.py",
-        '            if out[i] is None or piece is None or self.nodes[piece].listed_kind != "deny":',
+        "            if out[i] is None or piece is None:",
         "            if True:",
         T_LOOPS + "test_item4_log_softmax_gradient_is_float32",
         "[14.4] log-softmax's gradient runs in half (its exp residual is no deny vertex)",
@@ -689,5 +689,38 @@ MUTANTS: tuple[Mutant, ...] = (
         '        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]',
         T_LOOPS + "test_state_scanned_in_and_stacked_out_is_updated_in_float32",
         "a per-layer running mean scanned in and stacked out is updated in half",
+    ),
+    # ---- branch vjp-fp16 (issue 21 items 3, 6, 7) -------------------------------------------
+    _m(
+        "emit.custom_rule_differentiates_everything",
+        "emit.py",
+        "                live = tuple(i for i, p in enumerate(primals) if p.perturbed)",
+        "                live = tuple(range(len(primals)))",
+        "tests/test_custom_derivatives.py::test_odeint_matmul_runs_in_half_and_rule_is_kept",
+        "grad(rewrite(odeint)) asks the custom_vjp rule about its closed-over tableau and fails",
+    ),
+    _m(
+        "graph.softmax_denominator_not_deny",
+        "graph.py",
+        'CARRY_DENY = ("reduce_sum",)',
+        "CARRY_DENY = ()",
+        "tests/test_tf_patterns.py::test_whole_graph_log_softmax_gradient_is_float32_throughout",
+        "in bfloat16 the log-softmax backward divides by the sum of exps in half, unlike TF",
+    ),
+    _m(
+        "compare.no_gradient_underflow_note",
+        "compare.py",
+        "    notes += _gradient_underflow_notes(graph, painting, half.stats, dt)",
+        "    notes += []",
+        "tests/test_gradient_underflow.py::test_compare_names_gradient_underflow_in_float16_only",
+        "compare counts float16 gradient underflow without naming it or the loss-scale optimizer",
+    ),
+    _m(
+        "explain_view.no_gradient_underflow_lint",
+        "explain_view.py",
+        "    return _gradient_underflow(report) + _half_carries(report) + findings + chains",
+        "    return _half_carries(report) + findings + chains",
+        "tests/test_gradient_underflow.py::test_lint_names_a_float16_backward_pass_without_loss_scaling",
+        "lint is silent about a float16 backward pass with no loss scaling",
     ),
 )
