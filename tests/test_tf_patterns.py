@@ -1139,3 +1139,55 @@ def test_results_are_numerically_close():
         got = jax.jit(jmp_rewrite.rewrite(fun, dtype=F16))(*args)
         assert got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------
+# Whole graphs: the gradient of a log-softmax loss (TF's LogSoftmax gradient)
+# ------------------------------------------------------------------------------------------
+
+
+def _xent_loss(w, x, labels):
+    return jnp.mean(_xent(x, w, labels))
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("version", [True, False], ids=["tf2.21", "tf2.19"])
+def test_whole_graph_log_softmax_gradient_is_float32_throughout(dtype, version):
+    # TF's LogSoftmax gradient is Exp (deny), Sum, Mul, Sub: float32 throughout, in float16
+    # and bfloat16. JAX's divides by the sum of the exps the forward unit hands over (a
+    # residual TF's Exp recomputes): that sum is a deny vertex of its own, so the div was
+    # bfloat16 before, where the sum is on the infer list.
+    grad = jax.grad(_xent_loss)
+    report = jmp_rewrite.explain(grad, W, X, LABELS, dtype=dtype, infer_follows_allow=version)
+    backward = [e for e in report.equations if e.phase == "backward" and e.path.startswith("jit/")]
+    keys = [e.key for e in backward]
+    for key in ("div", "reduce_sum", "mul", "add_any"):
+        assert key in keys, keys
+    assert not [e.path for e in backward if e.half], f"\n{report}"
+    # the matmuls on both sides are half
+    assert all(e.half for e in report.equations if e.key == "dot_general"), f"\n{report}"
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_log_softmax_gradient_is_not_painted_as_the_fused_unit(dtype):
+    # The forward jit:log_softmax is one fused op; its transpose, a jit of the same name, is
+    # painted primitive by primitive (explain rows) and runs in float32 (the program).
+    grad = jax.grad(_xent_loss)
+    report = jmp_rewrite.explain(grad, W, X, LABELS, dtype=dtype)
+    units = [e for e in report.equations if e.key == "jit:log_softmax"]
+    assert [e.phase for e in units] == ["forward"], f"\n{report}"
+    assert units[0].half
+    jits = [e for e in emitted(grad, W, X, LABELS, dtype=dtype).eqns if e.primitive.name == "jit"]
+    assert len(jits) == 2  # the forward unit and its transpose
+    inner = jits[1].params["jaxpr"]
+    inner = getattr(inner, "jaxpr", inner)
+    floats = [
+        v.aval.dtype
+        for e in inner.eqns
+        for v in [*e.invars, *e.outvars]
+        if jnp.issubdtype(v.aval.dtype, jnp.floating)
+    ]
+    assert floats and all(d == jnp.float32 for d in floats), inner
+    want = jax.grad(_xent_loss)(W, X, LABELS)
+    got = jmp_rewrite.rewrite(grad, dtype=dtype)(W, X, LABELS)
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-3)

@@ -28,9 +28,10 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import custom_rules, shapes
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src import shapes
+from jmp_rewrite._src.custom_rules import cast
 from jmp_rewrite._src.graph import (
     SCATTER_REBUILDERS,
     EqnRec,
@@ -473,55 +474,9 @@ class Emitter:
     # -- custom derivatives ------------------------------------------------------------------
 
     def custom(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
-        """Re-wraps a custom derivative so its rule runs as written, in the original dtypes."""
-        scope = rec.subs["body"]
-        consts = jc.consts_of(rec.layout.body())
-        orig_in = [a.aval.dtype for a in eqn.invars]
-
-        def body(*args: Any) -> tuple[Any, ...]:
-            return tuple(self.run(scope, consts, args))
-
-        body.__name__ = jc.function_name(rec.layout.inner())
-
-        def original(*args: Any) -> list[Any]:
-            return bind(eqn, list(args), eqn.params)
-
-        def to_original(values: Sequence[Any]) -> list[Any]:
-            return [cast(v, d) for v, d in zip(values, orig_in, strict=True)]
-
-        if rec.kind == ho.CUSTOM_JVP:
-            fun = jax.custom_jvp(body)
-
-            @fun.defjvp
-            def fun_jvp(primals, tangents):
-                out = body(*primals)
-                tangents = [
-                    t if not is_float(d) else cast(t, d)
-                    for t, d in zip(tangents, orig_in, strict=True)
-                ]
-                _, tout = jax.jvp(original, to_original(primals), tangents)
-                return out, tuple(_cast_like(t, o) for t, o in zip(tout, out, strict=True))
-
-        else:
-            fun = jax.custom_vjp(body)
-            in_dtypes = [jnp.result_type(v) for v in invals]
-
-            def fwd(*primals):
-                out = body(*primals)
-                _, vjp_fn = jax.vjp(original, *to_original(primals))
-                return out, vjp_fn
-
-            def bwd(vjp_fn, cts):
-                orig_out = [v.aval.dtype for v in eqn.outvars]
-                grads = vjp_fn([cast(c, d) for c, d in zip(cts, orig_out, strict=True)])
-                return tuple(
-                    cast(g, d) if is_float(d) else None
-                    for g, d in zip(grads, in_dtypes, strict=True)
-                )
-
-            fun.defvjp(fwd, bwd)
-        with self.staging():
-            return list(fun(*invals))
+        """Re-wraps a custom derivative so its rule runs as written (see
+        :func:`~jmp_rewrite._src.custom_rules.rewrap`)."""
+        return custom_rules.rewrap(self, eqn, rec, invals)
 
 
 #: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
@@ -623,19 +578,6 @@ def _literal(value: Any, dtype: Any) -> Any:
 def _describe(atom: Any) -> str:
     """A value's shape, e.g. ``[4,16]`` (its dtype is in the cast record)."""
     return "[" + ",".join(str(d) for d in getattr(atom.aval, "shape", ())) + "]"
-
-
-def cast(value: Any, dtype: Any) -> Any:
-    """``value`` in float ``dtype``; non-float values and dtypes pass through."""
-    if not is_float(dtype) or not is_float(jnp.result_type(value)):
-        return value
-    if jnp.result_type(value) == np.dtype(dtype):
-        return value
-    return lax.convert_element_type(value, dtype)
-
-
-def _cast_like(value: Any, like: Any) -> Any:
-    return cast(value, jnp.result_type(like))
 
 
 def accumulates_in_float32(eqn: Any, half: bool) -> bool:

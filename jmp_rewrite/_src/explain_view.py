@@ -47,7 +47,10 @@ _KIND_TITLES = {
         f"{TENSOR_CORE_MULTIPLE} (they run on slower paths)"
     ),
     "deny_chain": "Deny chains: float32 only because of one deny-list op",
+    "gradient_underflow": "Gradient underflow: a float16 backward pass without loss scaling",
 }
+#: The loss-scale optimizer's update, as explain shows its float32 region.
+_LOSS_SCALE_SCOPE = "float32_region(loss_scale_optimizer_update)"
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,9 +246,10 @@ class Finding:
     Attributes:
       kind: ``tensor_cores`` (a half matmul/conv dimension not a multiple of 8),
         ``deny_chain`` (one list change would run more equations in half precision),
-        ``half_carry`` (a loop carry in half precision that adds to itself every iteration)
-        or ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of
-        its shape).
+        ``half_carry`` (a loop carry in half precision that adds to itself every iteration),
+        ``gradient_underflow`` (float16 backward matmuls with no loss scaling) or
+        ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
+        shape).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -348,7 +352,13 @@ def lint(report: Report) -> list[Finding]:
             )
         )
     chains.sort(key=lambda f: shape_lib.descending(f.bytes))
-    return _half_carries(report) + findings + _float8_shapes(report) + chains
+    return (
+        _gradient_underflow(report)
+        + _half_carries(report)
+        + findings
+        + _float8_shapes(report)
+        + chains
+    )
 
 
 def _float8_shapes(report: Report) -> list[Finding]:
@@ -376,6 +386,36 @@ def _float8_shapes(report: Report) -> list[Finding]:
             )
         )
     return out
+
+
+def _gradient_underflow(report: Report) -> list[Finding]:
+    """A float16 backward pass whose matmuls run in half with no loss scaling in sight:
+    their cotangent inputs are rounded to float16, and gradients below 6e-8 become zero
+    (TF needs its loss-scale optimizer in float16 for the same reason)."""
+    if report.dtype != "float16" or any(_LOSS_SCALE_SCOPE in e.scope for e in report.equations):
+        return []
+    eqs = [e for e in report.equations if e.phase == "backward" and e.half and e.flops]
+    if not eqs:
+        return []
+    return [
+        Finding(
+            kind="gradient_underflow",
+            message=(
+                f"{_plural(len(eqs), 'backward matmul/conv')} run in float16 without loss "
+                "scaling: gradients smaller than 6e-8 become zero and those below 6e-5 lose "
+                "precision (jmp_rewrite.compare counts them as underflow)"
+            ),
+            scope=eqs[0].scope,
+            source=eqs[0].source,
+            equations=tuple(e.path for e in eqs),
+            flops=sum(e.flops for e in eqs),
+            change=(
+                "scale the loss: tx = jmp_rewrite.loss_scale_optimizer(tx) and "
+                "jmp_rewrite.value_and_grad(loss)(opt_state, ...)"
+            ),
+            risk="none: a step whose scaled gradients overflow is skipped",
+        )
+    ]
 
 
 def _half_carries(report: Report) -> list[Finding]:

@@ -229,6 +229,33 @@ class Node:
     fanout: list[int] = dataclasses.field(default_factory=list)
 
 
+#: Pieces through which a unit's residual still counts as its deny piece: moving values
+#: (clear) and summing them. A sum of exps is the exps accumulated (TF's fused kernels keep it
+#: float32); anything else computed from them (the log of the sum) is the unit's own result.
+CARRY_DENY = ("reduce_sum",)
+
+
+def _deny_residuals(sub: Any, nodes: list[Node]) -> list[int | None]:
+    """For each output of a unit's body, the deny piece it is (or sums, moves), or None."""
+    source: dict[Any, int] = {}
+    for e, r in zip(sub.jaxpr.eqns, sub.eqns, strict=True):
+        if r.node is None:
+            continue
+        piece = nodes[r.node]
+        if piece.listed_kind == "deny":
+            found: int | None = r.node
+        elif piece.listed_kind == "clear" or piece.key in CARRY_DENY:
+            found = next(
+                (source[a] for a in e.invars if not jc.is_literal(a) and a in source), None
+            )
+        else:
+            found = None
+        if found is not None:
+            for v in e.outvars:
+                source[v] = found
+    return [None if jc.is_literal(a) else source.get(a) for a in sub.jaxpr.outvars]
+
+
 @dataclasses.dataclass
 class EqnRec:
     """How one equation of one jaxpr instance was mapped into the graph."""
@@ -478,16 +505,12 @@ class Graph:
         ]
         sub, _, _ = self._enter(layout.body(), inner, f"{path}/", region, node, in_origins)
         out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
-        # A residual the unit hands its backward pass straight from a deny piece (the ``exp``
-        # of a log-softmax) is TF's gradient op recomputing it (LogSoftmaxGrad's Exp): its own
+        # A residual the unit hands its backward pass from a deny piece (the ``exp`` of a
+        # log-softmax), or that piece summed, reshaped or broadcast (its denominator, the sum
+        # of the exps), is TF's gradient op recomputing it (LogSoftmaxGrad's Exp): its own
         # vertex, of that piece's list, so deny spreads into the backward pass as in TF.
-        inner_sources = {}
-        for e, r in zip(sub.jaxpr.eqns, sub.eqns, strict=True):
-            for v in e.outvars:
-                inner_sources[v] = r.node
-        for i, atom in enumerate(sub.jaxpr.outvars):
-            piece = inner_sources.get(atom) if not jc.is_literal(atom) else None
-            if out[i] is None or piece is None or self.nodes[piece].listed_kind != "deny":
+        for i, piece in enumerate(_deny_residuals(sub, self.nodes)):
+            if out[i] is None or piece is None:
                 continue
             out[i] = self._node(
                 self.nodes[piece].key,

@@ -56,6 +56,13 @@ def _all_args(p: dict[str, Any], n: int) -> Groups:
     return (("args", n),)
 
 
+def _custom_groups(p: dict[str, Any], n: int) -> Groups:
+    # The body's closed-over values (odeint's Runge-Kutta tableau, an array a custom_vjp
+    # closes over) come first: JAX never differentiates a custom rule with respect to them.
+    nc = int(p.get("num_consts", 0))
+    return (("consts", nc), ("args", n - nc))
+
+
 def _cond_groups(p: dict[str, Any], n: int) -> Groups:
     return (("index", 1), ("args", n - 1))
 
@@ -74,7 +81,8 @@ def _scan_groups(p: dict[str, Any], n: int) -> Groups:
 
 
 def _call(param: str, kind: str = CALL) -> HigherOrder:
-    return HigherOrder(kind, (("body", param),), _all_args)
+    groups = _all_args if kind in (CALL, SHARD_MAP) else _custom_groups
+    return HigherOrder(kind, (("body", param),), groups)
 
 
 #: The table. Equations of other primitives holding jaxprs are opaque to the painter.
