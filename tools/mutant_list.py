@@ -916,4 +916,29 @@ MUTANTS: tuple[Mutant, ...] = (
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
         "[21.8] a cond output one branch hands float32 on is rounded when another is half",
     ),
+    # -- masks-float (issue 21 item 1: a float mask argument's padding bias) --
+    _m(
+        "graph.sentinel_not_clamped",
+        "graph.py",
+        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
+        T_R4 + "test_a_float_mask_argument_pads_as_in_float32",
+        "[21.1] a float mask argument's bias (1 - m) * finfo.min is -inf in half: NaN rows",
+    ),
+    _m(
+        "origins.sentinel_any_constant",
+        "origins.py",
+        '        return any(limit < b < float("inf") for b in big)',
+        '        return any(0.0 < b < float("inf") for b in big)',
+        T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
+        "[21.1] a product by a constant within the half range is clamped: an overflow hidden",
+    ),
+    _m(
+        "emit.saturate_zero_derivative",
+        "emit.py",
+        "(_saturate(primals[0], lo, hi), tangents[0]))",
+        "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
+        T_R4 + "test_a_float_mask_argument_has_float32_gradients",
+        "[21.1] the gradient to a float mask through its clamped sentinel bias is zero",
+    ),
 )
