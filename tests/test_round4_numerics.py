@@ -75,6 +75,11 @@ def _bias_full_select(s, am):  # HF Flax BERT: lax.select of two jnp.full arrays
     return s + lax.select(keep, zeros, big)
 
 
+def _bias_times_full(s, am):  # no literal to call a sentinel: frozen, from the int mask
+    big = jnp.full((B, 1, T), jnp.finfo(jnp.float32).min)
+    return s + (1.0 - am[:, None, :].astype(jnp.float32)) * big
+
+
 def _bias_before_scaling(s, am):
     return _bias_finfo(s, am) / np.sqrt(D)
 
@@ -95,6 +100,7 @@ SPELLINGS = {
     "minus_3.4e38": _bias_3e38,
     "where_bool": _bias_bool,
     "full_select": _bias_full_select,
+    "times_full": _bias_times_full,
     "before_scaling": _bias_before_scaling,
     "after_scaling": _bias_after_scaling,
     "float_mask": _bias_float_mask,

@@ -871,8 +871,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.only_constants_clamped",
         "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.const for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.const or o.sentinel for o in in_origins)",
         T_R4 + "test_padded_rows_are_uniform_as_in_float32",
         "[21.1] a padding bias built from an int mask overflows to -inf: padded rows are NaN",
     ),
