@@ -7,7 +7,10 @@
    float input reaches -- computed from constants and integer or boolean values only
    (``Origin.frozen``) -- is clamped to the half range when cast, as constants were; a
    computed value (an activation, a gradient) still overflows, so the loss-scale optimizer
-   still skips a step whose gradient overflows.
+   still skips a step whose gradient overflows. With the mask a float32 *argument* the bias
+   is a *sentinel* (``origins.sentinel_scaled``: a forward product by a literal beyond the
+   half range, moved or summed with constants), clamped alike; a product by a constant
+   within the range still overflows.
 2. **Loops that run zero times** hand their initial carries on exact (a scan of length 0, a
    scan over empty ``xs``, ``fori_loop(0, 0, ...)``, a ``while`` false at once).
 8. **A float32 value leaving a ``cond``** comes back exact when some branch hands it on
