@@ -381,15 +381,20 @@ def test_cubes_stay_float32_in_float16():
 
 
 def test_computed_values_overflow_honestly():
-    """Only constants are clamped: a value computed from an input overflows to inf in half,
-    so that loss scaling sees the overflow (a clamped 65504 would hide it)."""
+    """Only constants, frozen values and sentinels are clamped: a value computed from an input
+    by a constant float16 holds overflows to inf in half, so that loss scaling sees the
+    overflow (a clamped 65504 would hide it). A product by a constant float16 cannot hold
+    (1e5) is the user's sentinel (``origins.sentinel_scaled``): clamped, as the constant
+    itself is where a half op reads it."""
     w = jnp.ones((1, 1))
 
     def f(w, x):
-        return (x * 1e5) @ w  # one product: a clamped 65504 would stay finite
+        return (x * 1e4) @ w  # one product: a clamped 65504 would stay finite
 
-    out = jr.rewrite(f, dtype=jnp.float16)(w, jnp.ones((1, 1)))
+    out = jr.rewrite(f, dtype=jnp.float16)(w, jnp.full((1, 1), 10.0))
     assert np.isposinf(np.asarray(out)).all()
+    out = jr.rewrite(lambda w, x: (x * 1e5) @ w, dtype=jnp.float16)(w, jnp.ones((1, 1)))
+    np.testing.assert_array_equal(out, [[65504.0]])
 
 
 def test_deny_does_not_spread_through_a_comparison():

@@ -7,7 +7,10 @@
    float input reaches -- computed from constants and integer or boolean values only
    (``Origin.frozen``) -- is clamped to the half range when cast, as constants were; a
    computed value (an activation, a gradient) still overflows, so the loss-scale optimizer
-   still skips a step whose gradient overflows.
+   still skips a step whose gradient overflows. With the mask a float32 *argument* the bias
+   is a *sentinel* (``origins.sentinel_scaled``: a forward product by a literal beyond the
+   half range, moved or summed with constants), clamped alike; a product by a constant
+   within the range still overflows.
 2. **Loops that run zero times** hand their initial carries on exact (a scan of length 0, a
    scan over empty ``xs``, ``fori_loop(0, 0, ...)``, a ``while`` false at once).
 8. **A float32 value leaving a ``cond``** comes back exact when some branch hands it on
@@ -75,6 +78,11 @@ def _bias_full_select(s, am):  # HF Flax BERT: lax.select of two jnp.full arrays
     return s + lax.select(keep, zeros, big)
 
 
+def _bias_times_full(s, am):  # no literal to call a sentinel: frozen, from the int mask
+    big = jnp.full((B, 1, T), jnp.finfo(jnp.float32).min)
+    return s + (1.0 - am[:, None, :].astype(jnp.float32)) * big
+
+
 def _bias_before_scaling(s, am):
     return _bias_finfo(s, am) / np.sqrt(D)
 
@@ -95,6 +103,7 @@ SPELLINGS = {
     "minus_3.4e38": _bias_3e38,
     "where_bool": _bias_bool,
     "full_select": _bias_full_select,
+    "times_full": _bias_times_full,
     "before_scaling": _bias_before_scaling,
     "after_scaling": _bias_after_scaling,
     "float_mask": _bias_float_mask,
@@ -151,11 +160,14 @@ def test_padded_rows_have_float32_gradients(dtype, order, spelling):
         np.testing.assert_allclose(g, r, atol=0.05 * float(jnp.max(jnp.abs(r))))
 
 
-def test_computed_values_still_overflow():
-    """Only frozen values are clamped: scores that overflow float16 (as in a hand-written
-    float16 model) stay infinite, the padding bias added to them or not. (Float16 only:
-    bfloat16's range is float32's to within 0.4%.)"""
+@pytest.mark.parametrize("mask_dtype", [np.int32, np.float32], ids=["int_mask", "float_mask"])
+def test_computed_values_still_overflow(mask_dtype):
+    """Only frozen values and sentinels are clamped: scores that overflow float16 (as in a
+    hand-written float16 model) stay infinite, the padding bias added to them or not, its
+    mask an integer or a float argument. (Float16 only: bfloat16's range is float32's to
+    within 0.4%.)"""
     dtype = jnp.float16
+    am = ATTENTION_MASK.astype(mask_dtype)
     big = float(jnp.finfo(dtype).max)
 
     def f(w, x, am):
@@ -164,11 +176,130 @@ def test_computed_values_still_overflow():
 
     w = jnp.full((D, T), big / D)
     x = jnp.ones((B, D))
-    scores = np.asarray(jr.rewrite(f, dtype=dtype)(w, x, ATTENTION_MASK))
-    ref = np.asarray(f(w, x, ATTENTION_MASK))
+    scores = np.asarray(jr.rewrite(f, dtype=dtype)(w, x, am))
+    ref = np.asarray(f(w, x, am))
     assert np.isfinite(ref).all()  # finite in float32
     assert np.isposinf(scores[0]).all()  # the unpadded row: inf in half, as by hand
     assert np.isposinf(scores[1]).all()  # inf plus the clamped bias: inf, as by hand
+
+
+# -- 1. a float mask passed in as an argument ---------------------------------------------
+# The graph cannot tell a float32 argument from data, so these biases are not frozen; each is
+# a product by a constant beyond the half range (a *sentinel*: ``origins.sentinel_scaled``).
+
+
+def _fbias_finfo(s, m):
+    return s + (1.0 - m[:, None, :]) * jnp.finfo(jnp.float32).min
+
+
+def _fbias_1e9(s, m):
+    return s + (1.0 - m[:, None, :]) * -1e9
+
+
+def _fbias_3e38(s, m):
+    return s + (1.0 - m[:, None, :]) * -3.4e38
+
+
+def _fbias_pad_times(s, m):  # ``pad * -1e9``, broadcast after the product
+    pad = 1.0 - m
+    return s + (pad * -1e9)[:, None, :]
+
+
+def _fbias_m_minus_1(s, m):
+    return s + (m[:, None, :] - 1.0) * 1e9
+
+
+def _fbias_sum(s, m):  # ``m * 1e9 - 1e9``: a sentinel minus a constant
+    return s + (m[:, None, :] * jnp.finfo(jnp.float32).max - jnp.finfo(jnp.float32).max)
+
+
+def _fbias_div_tiny(s, m):
+    return s + (1.0 - m[:, None, :]) / -1e-30
+
+
+FLOAT_SPELLINGS = {
+    "finfo": _fbias_finfo,
+    "minus_1e9": _fbias_1e9,
+    "minus_3.4e38": _fbias_3e38,
+    "pad_times_minus_1e9": _fbias_pad_times,
+    "m_minus_1_times_1e9": _fbias_m_minus_1,
+    "sum_with_constant": _fbias_sum,
+    "div_tiny": _fbias_div_tiny,
+    "before_scaling": lambda s, m: _fbias_finfo(s, m) / np.sqrt(D),
+    "after_scaling": lambda s, m: _fbias_1e9(s / np.sqrt(D), m),
+}
+FLOAT_MASK = ATTENTION_MASK.astype(np.float32)
+
+
+def _float_mask_attention(spelling):
+    def f(wq, wk, x, m):
+        s = jnp.einsum("btd,bsd->bts", x @ wq, x @ wk)
+        return jax.nn.softmax(FLOAT_SPELLINGS[spelling](s, m), axis=-1)
+
+    return f
+
+
+@HALF
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("spelling", list(FLOAT_SPELLINGS))
+def test_a_float_mask_argument_pads_as_in_float32(dtype, jit, spelling):
+    f = _float_mask_attention(spelling)
+    wq, wk, x = _attention_args()
+    rewritten = jr.rewrite(f, dtype=dtype)
+    out = np.asarray((jax.jit(rewritten) if jit else rewritten)(wq, wk, x, FLOAT_MASK))
+    ref = np.asarray(f(wq, wk, x, FLOAT_MASK))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[FULLY_PADDED], np.full((T, T), 1 / T), rtol=1e-2)
+    np.testing.assert_allclose(out, ref, atol=2e-2)
+    adds = [e for e in prims(emitted(rewritten, wq, wk, x, FLOAT_MASK), "add")]
+    assert any(runs_in_half(e) and e.outvars[0].aval.shape == (B, T, T) for e in adds)
+
+
+@HALF
+@pytest.mark.parametrize("order", ["grad_of_rewrite", "rewrite_of_grad"])
+@pytest.mark.parametrize("spelling", list(FLOAT_SPELLINGS))
+def test_a_float_mask_argument_has_float32_gradients(dtype, order, spelling):
+    """Gradients with respect to the weights, and to the float mask itself (the clamp
+    keeps float32's derivative: a clip's would be zero at the padded positions)."""
+    f = _float_mask_attention(spelling)
+    wq, wk, x = _attention_args()
+    v = _rand(B, T, T, seed=4, scale=1.0)
+
+    def loss(fun):
+        return lambda wq, wk, m: jnp.sum(fun(wq, wk, x, m) * v)
+
+    argnums = (0, 1) if spelling in ("finfo", "minus_3.4e38", "sum_with_constant") else (0, 1, 2)
+    grad = jax.grad(loss(f), argnums=argnums)
+    if order == "grad_of_rewrite":
+        got = jax.grad(loss(jr.rewrite(f, dtype=dtype)), argnums=argnums)(wq, wk, FLOAT_MASK)
+    else:
+        got = jr.rewrite(grad, dtype=dtype)(wq, wk, FLOAT_MASK)
+    for g, r in zip(got, grad(wq, wk, FLOAT_MASK), strict=True):
+        assert g.dtype == F32 and np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=0.05 * float(jnp.max(jnp.abs(r))))
+
+
+def test_a_product_by_a_constant_within_range_still_overflows():
+    """A sentinel is a product by a constant the half type cannot hold: ``pad * -1e3`` (1e3
+    fits float16) that overflows is a computed value, infinite on its cast as by hand (the
+    padded row's softmax is NaN); ``pad * -1e5`` (beyond float16's 65504) is the user's
+    sentinel, clamped."""
+    wq, wk, x = _attention_args()
+    pad = 100.0 * (1.0 - FLOAT_MASK)  # a float argument: not frozen
+
+    def attention(c):
+        def f(wq, wk, x, pad):
+            s = jnp.einsum("btd,bsd->bts", x @ wq, x @ wk)
+            return jax.nn.softmax(s + pad[:, None, :] * c, axis=-1)
+
+        return f
+
+    for c, finite in ((-1e3, False), (-1e5, True)):
+        f = attention(c)
+        assert np.isfinite(np.asarray(f(wq, wk, x, pad))).all()  # finite in float32
+        out = np.asarray(jr.rewrite(f, dtype=jnp.float16)(wq, wk, x, pad))
+        assert np.isfinite(out[FULLY_PADDED]).all() == finite, c
+        assert np.isfinite(out[0]).all()  # the unpadded row: no bias, finite either way
 
 
 # -- 1. a padded batch trains like float32 ------------------------------------------------
@@ -192,14 +323,15 @@ def _encoder_params(seed: int = 0) -> dict[str, jax.Array]:
     }
 
 
-def _encoder_batch(seed: int = 1):
-    """Half the rows padded: 4 full rows, 2 partly padded, 2 fully padded."""
+def _encoder_batch(seed: int = 1, mask_dtype=np.int32):
+    """Half the rows padded: 4 full rows, 2 partly padded, 2 fully padded; the attention
+    mask in ``mask_dtype`` (a float32 mask is data to the graph: see ``sentinel_scaled``)."""
     k1, k2 = jax.random.split(jax.random.key(seed))
     lengths = np.array([SEQ] * 4 + [SEQ // 2, 1] + [0, 0])
     am = (np.arange(SEQ)[None, :] < lengths[:, None]).astype(np.int32)
     tokens = jax.random.randint(k1, (BATCH, SEQ), 1, VOCAB) * am
     labels = jax.random.randint(k2, (BATCH,), 0, CLASSES)
-    return tokens.astype(jnp.int32), jnp.asarray(am), labels
+    return tokens.astype(jnp.int32), jnp.asarray(am.astype(mask_dtype)), labels
 
 
 def encoder_loss(params, tokens, am, labels):
@@ -217,7 +349,7 @@ def encoder_loss(params, tokens, am, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _train(dtype, loss_scaled: bool, steps: int = 20, lr: float = 1e-2):
+def _train(dtype, loss_scaled: bool, mask_dtype=np.int32, steps: int = 20, lr: float = 1e-2):
     inner = optax.adam(lr)
     tx = jr.loss_scale_optimizer(inner) if loss_scaled else inner
 
@@ -230,7 +362,7 @@ def _train(dtype, loss_scaled: bool, steps: int = 20, lr: float = 1e-2):
         return optax.apply_updates(params, updates), opt_state, value
 
     step = jax.jit(step if dtype is None else jr.rewrite(step, dtype=dtype))
-    params, batch = _encoder_params(), _encoder_batch()
+    params, batch = _encoder_params(), _encoder_batch(mask_dtype=mask_dtype)
     opt_state = tx.init(params)
     losses = []
     for _ in range(steps):
@@ -240,11 +372,17 @@ def _train(dtype, loss_scaled: bool, steps: int = 20, lr: float = 1e-2):
     return np.array(losses), skipped
 
 
+MASK_DTYPES = pytest.mark.parametrize(
+    "mask_dtype", [np.int32, np.float32], ids=["int_mask", "float_mask"]
+)
+
+
 @HALF
+@MASK_DTYPES
 @pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "loss_scaled"])
-def test_padded_batch_trains_like_float32(dtype, loss_scaled):
-    ref, _ = _train(None, loss_scaled)
-    losses, skipped = _train(dtype, loss_scaled)
+def test_padded_batch_trains_like_float32(dtype, loss_scaled, mask_dtype):
+    ref, _ = _train(None, loss_scaled, mask_dtype)
+    losses, skipped = _train(dtype, loss_scaled, mask_dtype)
     assert np.isfinite(losses).all()
     assert skipped == 0  # no step skipped for the padding
     assert ref[-1] < 0.5 * ref[0]  # it does learn
@@ -253,7 +391,8 @@ def test_padded_batch_trains_like_float32(dtype, loss_scaled):
 
 
 @HALF
-def test_an_overflowing_gradient_still_skips_with_padding(dtype):
+@MASK_DTYPES
+def test_an_overflowing_gradient_still_skips_with_padding(dtype, mask_dtype):
     """The padding bias is clamped, the scaled gradient is not: with a loss scale too large
     for the half dtype the first step is skipped, the scale backs off, and the parameters
     stay as they were."""
@@ -274,7 +413,7 @@ def test_an_overflowing_gradient_still_skips_with_padding(dtype):
     params = _encoder_params()
     opt_state = tx.init(params)
     new, opt_state, grads = jax.jit(jr.rewrite(step, dtype=dtype))(
-        params, opt_state, *_encoder_batch()
+        params, opt_state, *_encoder_batch(mask_dtype=mask_dtype)
     )
     state = jr.get_loss_scale_state(opt_state)
     assert int(state.skipped_steps) == 1 and not bool(state.last_step_applied)

@@ -873,8 +873,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.only_constants_clamped",
         "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.const for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.const or o.sentinel for o in in_origins)",
         T_R4 + "test_padded_rows_are_uniform_as_in_float32",
         "[21.1] a padding bias built from an int mask overflows to -inf: padded rows are NaN",
     ),
@@ -1166,5 +1166,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "        _half_carries(report)",
         "tests/test_gradient_underflow.py::test_lint_names_a_float16_backward_pass_without_loss_scaling",
         "lint is silent about a float16 backward pass with no loss scaling",
+    ),
+    # -- masks-float (issue 21 item 1: a float mask argument's padding bias) --
+    _m(
+        "graph.sentinel_not_clamped",
+        "graph.py",
+        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
+        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
+        T_R4 + "test_a_float_mask_argument_pads_as_in_float32",
+        "[21.1] a float mask argument's bias (1 - m) * finfo.min is -inf in half: NaN rows",
+    ),
+    _m(
+        "origins.sentinel_any_constant",
+        "origins.py",
+        '        return any(limit < b < float("inf") for b in big)',
+        '        return any(0.0 < b < float("inf") for b in big)',
+        T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
+        "[21.1] a product by a constant within the half range is clamped: an overflow hidden",
+    ),
+    _m(
+        "emit.saturate_zero_derivative",
+        "emit.py",
+        "(_saturate(primals[0], lo, hi), tangents[0]))",
+        "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
+        T_R4 + "test_a_float_mask_argument_has_float32_gradients",
+        "[21.1] the gradient to a float mask through its clamped sentinel bias is zero",
     ),
 )

@@ -19,6 +19,7 @@ separate programs.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -556,7 +557,7 @@ def clamp(value: Any, dtype: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(value), jnp.integer):  # clipped as an integer
             d = jnp.result_type(value)
             return lax.clamp(np.asarray(int(lo), d), value, np.asarray(int(hi), d))
-        return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
+        return _saturate(value, lo, hi)
     with jax.ensure_compile_time_eval():
         if isinstance(value, jax.Array):
             big = jnp.isfinite(value) & ((value < lo) | (value > hi))
@@ -565,6 +566,17 @@ def clamp(value: Any, dtype: Any) -> Any:
             return jnp.where(big, jnp.clip(value, lo, hi), value)
     value = np.asarray(value)
     return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _saturate(value: Any, lo: float, hi: float) -> Any:
+    return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
+
+
+# Why: a sentinel (``(1.0 - m) * -1e9``, see ``origins.sentinel_scaled``) may be
+# differentiated (a float mask's gradient); saturating changes where its value is read in
+# half, not its derivative, which stays float32's (a clip's would be zero where it clips).
+_saturate.defjvp(lambda lo, hi, primals, tangents: (_saturate(primals[0], lo, hi), tangents[0]))
 
 
 def _literal(value: Any, dtype: Any) -> Any:
@@ -593,7 +605,7 @@ def rewrite_closed(
     options: dict[str, Any],
 ) -> Any:
     """Paints and re-emits a closed jaxpr at its own input avals (a new closed jaxpr)."""
-    graph = Graph(closed, lists)
+    graph = Graph(closed, lists, dtype)
     painting = paint(
         graph,
         infer_follows_allow=options.get("infer_follows_allow", True),

@@ -47,6 +47,7 @@ from jmp_rewrite._src.origins import (
     loop_result_origins,
     recurrent_states,
     select_origin,
+    sentinel_scaled,
     stacked_origins,
 )
 from jmp_rewrite._src.regions import in_float32_region
@@ -281,7 +282,7 @@ class EqnRec:
     const_operands: tuple[bool, ...] = ()
     #: per operand, its :class:`Origin` (float8 tells parameters from activations by it).
     operand_origins: tuple[Origin, ...] = ()
-    #: per operand: frozen (see :class:`Origin`), clamped when cast to half precision.
+    #: per operand: frozen or a sentinel (see :class:`Origin`), clamped when cast to half.
     clamped_operands: tuple[bool, ...] = ()
 
 
@@ -301,8 +302,11 @@ class ScopeRec:
 class Graph:
     """The flat painting graph of a closed jaxpr (see the module docstring)."""
 
-    def __init__(self, closed: Any, lists: Any):
+    def __init__(self, closed: Any, lists: Any, half: Any = None):
         self.lists = lists
+        #: the half dtype's largest finite value: a product by a literal beyond it is a
+        #: sentinel (see ``origins.sentinel_scaled``); None (no dtype given): none is.
+        self.sentinel_limit = None if half is None else float(jnp.finfo(half).max)
         self.nodes: list[Node] = []
         self._n_recs = 0
         #: an opaque equation's bodies hold float32 allowlist ops: the program changes even
@@ -442,12 +446,16 @@ class Graph:
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
             if out_origins is None:  # a leaf, opaque equation or fused unit
                 o = leaf_origin(eqn, self.lists.kind(key), in_origins)
+                if self.sentinel_limit is not None and not self._backward:
+                    lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
+                    if sentinel_scaled(eqn, in_origins, lits, self.sentinel_limit):
+                        o = dataclasses.replace(o, sentinel=True)
                 out_origins = [o] * len(eqn.outvars)
                 if erec.node is not None:
                     self.nodes[erec.node].origin = o
             erec.const_operands = tuple(o.const for o in in_origins)
             erec.operand_origins = tuple(in_origins)
-            erec.clamped_operands = tuple(o.frozen for o in in_origins)
+            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)
             for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src

@@ -2,7 +2,9 @@
 
 A value no float input reaches (computed from constants and integer or boolean values: a
 padding bias built from an ``attention_mask``) is *frozen*, and clamped to the half range when
-cast, as a constant is (see :attr:`Origin.frozen`).
+cast, as a constant is (see :attr:`Origin.frozen`); so is a *sentinel*, a product by a
+constant beyond the half range (``(1.0 - mask) * finfo(float32).min`` with a float ``mask``:
+see :func:`sentinel_scaled`).
 
 A program input is a *state* when an output of its shape is computed from it linearly and
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step); a
@@ -47,6 +49,9 @@ class Origin:
       updates: those of ``derived`` that an addition or subtraction has combined with
         something else on the way (``new = a * old + b * f(x)``: a state update); a clip of
         an update (``clip(p - lr * g, -c, c)``, a projected step) is one still.
+      sentinel: sentinel-scaled: a forward product by a literal constant beyond the half
+        range, or a value moved or combined from such and frozen values only (see
+        :func:`sentinel_scaled`); clamped to the half range when cast, as a frozen value is.
     """
 
     const: bool = False
@@ -54,6 +59,7 @@ class Origin:
     copy_of: int | None = None
     derived: frozenset[int] = frozenset()
     updates: frozenset[int] = frozenset()
+    sentinel: bool = False
 
 
 NOWHERE = Origin()
@@ -261,3 +267,42 @@ def _seen_from_outside(
             derived |= o_m.derived
             updates |= o_m.derived if s in o_out.updates else o_m.updates
     return Origin(derived=derived, updates=updates & derived)
+
+
+#: Ops through which a sentinel stays one when every other float operand is a sentinel or
+#: frozen: data movement, sign, casts, selections, and sums with constants (``1e9 - m * 1e9``).
+_SENTINEL_KEEPS = _MOVES | {"neg", "convert_element_type", "copy", "copy_p", "select_n", "add"}
+_SENTINEL_KEEPS |= {"sub", "reduce_precision"}
+
+
+def sentinel_scaled(eqn: Any, ins: list[Origin], literals: list[Any], limit: float) -> bool:
+    """Whether the outputs of forward equation ``eqn`` (operand origins ``ins``, literal
+    operand values ``literals``, None for variables) are *sentinels* for a half type whose
+    largest finite value is ``limit``.
+
+    Why: ``(1.0 - mask) * finfo(float32).min`` or ``m * -1e9`` is a *sentinel* (a padding
+    bias) whatever ``mask`` is, even a float argument the graph cannot tell from data: its
+    float32 magnitude is the user's constant, one no half type can hold (a hand-written
+    half model writes ``finfo(half).min``), not a computed quantity that overflowed. So a
+    product (or quotient) by a literal beyond the half range, and values moved, negated,
+    selected or summed from such and frozen values only, are clamped when cast into half.
+    Anything computed from them otherwise (``scores + bias``), a product by a constant
+    within the range (``x * 4.0``) and every backward (transposed) equation -- a cotangent
+    scaled by the constant -- still overflow honestly, so the loss-scale optimizer skips.
+    """
+    name = eqn.primitive.name
+    floats = [
+        (o, v) for a, o, v in zip(eqn.invars, ins, literals, strict=True) if _is_float(a.aval.dtype)
+    ]
+    if name in ("mul", "div"):
+        big = [abs(float(v)) for _, v in floats[1 if name == "div" else 0 :] if _scalar(v)]
+        if name == "div":
+            return any(0.0 < b < 1.0 / limit for b in big)
+        return any(limit < b < float("inf") for b in big)
+    if name in _SENTINEL_KEEPS and eqn.outvars:
+        return any(o.sentinel for o, _ in floats) and all(o.sentinel or o.frozen for o, _ in floats)
+    return False
+
+
+def _scalar(value: Any) -> bool:
+    return value is not None and getattr(value, "shape", ()) == ()

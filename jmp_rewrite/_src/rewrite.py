@@ -67,7 +67,7 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
     """Builds the graph of ``closed`` and paints it (None, None when there is nothing to do)."""
     if config is None:
         return None, None
-    graph = Graph(closed, config.lists)
+    graph = Graph(closed, config.lists, config.dtype)
     painting = paint(
         graph, infer_follows_allow=config.infer_follows_allow, force_all=config.force_all
     )
