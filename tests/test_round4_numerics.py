@@ -539,3 +539,24 @@ def test_an_input_handed_on_by_an_untaken_branch_comes_back_exact(dtype, jit, ki
     assert adds and all(runs_in_half(a) for a in adds)
     y_other = run(s, x, w, False)
     np.testing.assert_allclose(y_other, f(s, x, w, False), rtol=3e-2, atol=3e-2)
+
+
+@HALF
+@pytest.mark.parametrize("order", ["grad_of_rewrite", "rewrite_of_grad"])
+@pytest.mark.parametrize("kind", ["cond", "switch", "nested", "in_fori"])
+def test_an_input_handed_on_by_an_untaken_branch_in_both_orders(dtype, order, kind):
+    s, x, w = jnp.asarray(S0), _rand(4, 4), _rand(4, 4, seed=1)
+
+    def loss(w, s):
+        flag = jnp.sum(w) < 1e6  # traced: true
+        y = STATE_CONDS[kind](flag, s, lambda s: s * s + x[0] @ w)
+        return jnp.sum(x @ w), y  # the state, handed on: an aux output
+
+    vg = jax.value_and_grad(loss, has_aux=True)
+    (_, y), g = (
+        jax.value_and_grad(jr.rewrite(loss, dtype=dtype), has_aux=True)(w, s)
+        if order == "grad_of_rewrite"
+        else jr.rewrite(vg, dtype=dtype)(w, s)
+    )
+    np.testing.assert_array_equal(y, S0)
+    np.testing.assert_allclose(g, vg(w, s)[1], rtol=2e-2, atol=2e-2)
