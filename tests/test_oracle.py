@@ -50,7 +50,8 @@ accumulated in half costs many u, far past both bounds.
 
 The round-4 bugs this code still has (issue 21) are listed in :data:`KNOWN_BUGS`; a problem
 they explain does not fail the generated-program test, and each has a shrunk counterexample
-below, marked ``xfail(strict=True)`` until its fix merges. In CI (profile ``ci``) the test
+below, marked ``xfail(strict=True)`` until its fix merges (items 2 and 8 have: their
+counterexamples are plain regression tests now). In CI (profile ``ci``) the test
 runs ``EXAMPLES`` (16) derandomized programs per dtype, unshrunk (about 2 s of CPU each:
 62 s of CPU for the 32, jax 0.10.2);
 ``HYPOTHESIS_PROFILE=long`` runs 200 per dtype, new ones each run, shrinking a failure.
@@ -219,25 +220,6 @@ def _padded_mask_nan(program: Program, name: str, problem: str) -> bool:
     )
 
 
-def _exact_through(
-    routes: tuple[str, ...], untouched_state: Callable[[State], bool]
-) -> Callable[[Program, str, str], bool]:
-    """A copy not bit-exact, handed on through one of ``routes`` (Copy blocks) or by a State
-    block that ``untouched_state`` says did not update it."""
-
-    def hit(program: Program, name: str, problem: str) -> bool:
-        if "not bit-exact" not in problem:
-            return False
-        for i, b in enumerate(program.blocks):
-            if isinstance(b, Copy) and b.route in routes and name == f"copy{i}":
-                return True
-            if isinstance(b, State) and untouched_state(b) and name.startswith(f"state{i}_"):
-                return True
-        return False
-
-    return hit
-
-
 def _vjp_closure(program: Program, name: str, problem: str) -> bool:
     return (
         name == "exception"
@@ -261,13 +243,7 @@ def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> boo
 #: test below). Delete an entry once its fix has merged; the test then fails on it again.
 KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
     "issue 21 item 1 (padded mask (1 - m) * min gives NaN rows)": _padded_mask_nan,
-    "issue 21 item 2 (a zero-trip loop rounds its init)": _exact_through(
-        ("scan0",), lambda b: b.carrier not in ("step", "cond") and b.trips == 0
-    ),
     "issue 21 item 3 (grad(rewrite(f)) through a custom_vjp raises)": _vjp_closure,
-    "issue 21 item 8 (a float32 value leaving a cond is rounded)": _exact_through(
-        ("cond_ones", "cond_const"), lambda b: b.carrier == "cond" and not b.taken
-    ),
     "issue 22 (found here): a state update batched (rewrite(vmap(f))) or stacked (a scan) "
     "from an unbatched state is not of its input's shape, so no state: rounded in bfloat16": (
         _state_with_a_leading_axis
@@ -334,14 +310,13 @@ COUNTEREXAMPLES = [
         id="item1-3e38-before-scale-bf16",
         marks=_xfail(1),
     ),
-    # a zero-trip scan hands on its float32 init rounded through half
-    pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16", marks=_xfail(2)),
-    pytest.param(Program((Copy("w", "scan0"),)), BF16, id="item2-scan0-bf16", marks=_xfail(2)),
+    # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
+    pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),
+    pytest.param(Program((Copy("w", "scan0"),)), BF16, id="item2-scan0-bf16"),
     pytest.param(
         Program((State("square", "fori_loop", trips=0),)),
         BF16,
         id="item2-fori0-state-bf16",
-        marks=_xfail(2),
     ),
     # grad(rewrite(f)) through a custom_vjp whose body captures a constant (the mask) raises
     pytest.param(
@@ -353,17 +328,15 @@ COUNTEREXAMPLES = [
         id="item3-custom-vjp-grad-outer",
         marks=_xfail(3, "of round 4 (custom_vjp re-wrapping)"),
     ),
-    # a float32 value leaving a cond read by a matmul comes back rounded (exp: inf in f16)
-    pytest.param(Program((Copy("x", "cond_ones"),)), F16, id="item8-cond-f16", marks=_xfail(8)),
-    pytest.param(Program((Copy("x", "cond_ones"),)), BF16, id="item8-cond-bf16", marks=_xfail(8)),
-    pytest.param(
-        Program((Copy("exp_x", "cond_ones"),)), F16, id="item8-cond-exp-f16", marks=_xfail(8)
-    ),
+    # a float32 value leaving a cond read by a matmul came back rounded (exp: inf in f16);
+    # an untaken branch handing on the input beside a half update (item 8, fixed)
+    pytest.param(Program((Copy("x", "cond_ones"),)), F16, id="item8-cond-f16"),
+    pytest.param(Program((Copy("x", "cond_ones"),)), BF16, id="item8-cond-bf16"),
+    pytest.param(Program((Copy("exp_x", "cond_ones"),)), F16, id="item8-cond-exp-f16"),
     pytest.param(
         Program((State("square", "cond", taken=False),)),
         BF16,
         id="item8-cond-not-taken-state-bf16",
-        marks=_xfail(8),
     ),
     # found by the generator, not fixed yet: rewrite(vmap(sgd step)) with the state unbatched
     # (shape [D] in, [2, D] out: no state by the shape rule): the step is rounded in bfloat16,
@@ -391,11 +364,10 @@ def test_counterexample(program, dtype):
     check(program, dtype)
 
 
-@_xfail(8)
 def test_a_slice_of_an_input_handed_out_of_a_cond_is_exact():
     """Found by the generator (state inputs as slices of one array, a cond that does not
-    update): ``cond(p, ema, identity, s[0])``; bfloat16 paints the cond output half, so the
-    untouched ``s[0]`` comes back rounded (0.0037 off; float16 keeps it float32)."""
+    update): ``cond(p, ema, identity, s[0])``; bfloat16 painted the cond output half, so the
+    untouched ``s[0]`` came back rounded (0.0037 off; float16 kept it float32)."""
     dtype = BF16
     rng = np.random.default_rng(0)
     s = jnp.asarray(rng.uniform(0.5, 1.5, (4, 16)), jnp.float32)

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jaxpr_walk import emitted, prims, runs_in_half
+from jaxpr_walk import emitted, float_in_dtypes, prims, runs_in_half
 
 import jmp_rewrite as jr
 
@@ -619,3 +619,83 @@ def test_a_padding_bias_inside_a_loop_over_layers(dtype, model):
     out = np.asarray(jr.rewrite(model, dtype=dtype)(ws, x, ATTENTION_MASK))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, model(ws, x, ATTENTION_MASK), atol=3e-2)
+
+
+# A value the untaken branch hands on with no node of its own (a program input, a constant the
+# branch closes over), beside a branch that computes in half: ``s * s + hh[0]`` is no state
+# update (not linear in ``s``), so only the cond rule keeps ``s`` exact; ``sq(s)`` is
+# ``s * s + v @ w``, its add painted half after the matmul.
+S0 = np.linspace(0.5, 1.5, 4, dtype=np.float32) + np.float32(1e-3)  # not representable in half
+
+
+STATE_CONDS = {
+    "cond": lambda flag, s, sq: lax.cond(flag, lambda s: s, lambda s: sq(s), s),
+    "switch": lambda flag, s, sq: lax.switch(
+        jnp.where(flag, 1, 0), [lambda s: sq(s), lambda s: s, jnp.zeros_like], s
+    ),
+    "nested": lambda flag, s, sq: lax.cond(
+        flag,
+        lambda s: lax.cond(flag, lambda s: s, lambda s: sq(s), s),
+        lambda s: sq(s),
+        s,
+    ),
+    "constant": lambda flag, s, sq: lax.cond(flag, lambda s: jnp.asarray(S0), lambda s: sq(s), s),
+    "in_jit_and_checkpoint": lambda flag, s, sq: jax.checkpoint(
+        jax.jit(lambda s: lax.cond(flag, lambda s: s, lambda s: sq(s), s))
+    )(s),
+    "in_scan": lambda flag, s, sq: lax.scan(
+        lambda c, _: (c, lax.cond(flag, lambda s: s, lambda s: sq(s), s)),
+        0.0,
+        None,
+        length=2,
+    )[1][1],
+    "in_fori": lambda flag, s, sq: lax.fori_loop(
+        0, 3, lambda i, c: lax.cond(flag, lambda c: c, lambda c: sq(c), c), s
+    ),
+}
+
+
+@HALF
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", list(STATE_CONDS))
+def test_an_input_handed_on_by_an_untaken_branch_comes_back_exact(dtype, jit, kind):
+    """Issue 21 item 8 (found by the program generator in bfloat16): ``cond(p, update,
+    identity, s)`` with ``p`` false returned ``s`` rounded through half when the update
+    branch ran in half, since an input handed on had no node among the output's sources."""
+
+    def f(s, x, w, flag):
+        return STATE_CONDS[kind](flag, s, lambda s: s * s + x[0] @ w)
+
+    s = jnp.asarray(S0)
+    x, w = _rand(4, 4), _rand(4, 4, seed=1)
+    rewritten = jr.rewrite(f, dtype=dtype)
+    run = jax.jit(rewritten) if jit else rewritten
+    y = run(s, x, w, True)
+    assert y.dtype == F32
+    np.testing.assert_array_equal(y, S0)
+    # the branch that computes still runs in half, as painted, and rounds as such
+    adds = [a for a in prims(emitted(rewritten, s, x, w, True), "add") if float_in_dtypes(a)]
+    assert adds and all(runs_in_half(a) for a in adds)
+    y_other = run(s, x, w, False)
+    np.testing.assert_allclose(y_other, f(s, x, w, False), rtol=3e-2, atol=3e-2)
+
+
+@HALF
+@pytest.mark.parametrize("order", ["grad_of_rewrite", "rewrite_of_grad"])
+@pytest.mark.parametrize("kind", ["cond", "switch", "nested", "in_fori"])
+def test_an_input_handed_on_by_an_untaken_branch_in_both_orders(dtype, order, kind):
+    s, x, w = jnp.asarray(S0), _rand(4, 4), _rand(4, 4, seed=1)
+
+    def loss(w, s):
+        flag = jnp.sum(w) < 1e6  # traced: true
+        y = STATE_CONDS[kind](flag, s, lambda s: s * s + x[0] @ w)
+        return jnp.sum(x @ w), y  # the state, handed on: an aux output
+
+    vg = jax.value_and_grad(loss, has_aux=True)
+    (_, y), g = (
+        jax.value_and_grad(jr.rewrite(loss, dtype=dtype), has_aux=True)(w, s)
+        if order == "grad_of_rewrite"
+        else jr.rewrite(vg, dtype=dtype)(w, s)
+    )
+    np.testing.assert_array_equal(y, S0)
+    np.testing.assert_allclose(g, vg(w, s)[1], rtol=2e-2, atol=2e-2)

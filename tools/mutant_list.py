@@ -913,8 +913,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.cond_output_half_if_any_branch_half",
         "paint.py",
-        '            if n.key == "<cond-output>" and not all(f in half for f in n.fanin):',
-        '            if n.key == "<cond-output>" and not any(f in half for f in n.fanin):',
+        "                c in g.outside_handoffs or not all(f in half for f in n.fanin)",
+        "                c in g.outside_handoffs or not any(f in half for f in n.fanin)",
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
         "[21.8] a cond output one branch hands float32 on is rounded when another is half",
     ),
@@ -1191,5 +1191,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",
         "[21.1] the gradient to a float mask through its clamped sentinel bias is zero",
+    ),
+    # ---- branch cond-state (issue 21 item 8): an input handed on by a branch is float32 ----
+    _m(
+        "graph.cond_outside_handoff_forgotten",
+        "graph.py",
+        "                o for o, b in zip(outs, bouts, strict=True) if o is not None and b is None",
+        "                o for o, b in zip(outs, bouts, strict=True) if False",
+        T_R4 + "test_an_input_handed_on_by_an_untaken_branch_comes_back_exact",
+        "[21.8] an input an untaken branch hands on is rounded when the other branch is half",
     ),
 )

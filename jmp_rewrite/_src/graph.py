@@ -326,6 +326,10 @@ class Graph:
         #: 0, a ``while`` whose condition is false on literal initial values): they hand
         #: their initial values on (``paint.keep_unrun_loop_carries_float32``).
         self.unrun_carries: list[int] = []
+        #: ``cond`` outputs that some branch hands a value with no node of its own: a program
+        #: input, a constant the branch closes over, a literal -- a float32 value, as is
+        #: (``paint.keep_float32_reads_unrounded``).
+        self.outside_handoffs: set[int] = set()
         self._n_states = len(jaxpr.invars)
         self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)
         #: the program's outputs: (source node or None, origin, aval) each.
@@ -544,6 +548,9 @@ class Graph:
                 branch, args, f"{path}/branch{i}/", region, unit, arg_origins
             )
             self._link(outs, bouts)
+            self.outside_handoffs.update(
+                o for o, b in zip(outs, bouts, strict=True) if o is not None and b is None
+            )
             subs.append(sub)
             branch_origins.append(bout_origins)
         rec = EqnRec(ho.COND, subs={"cases": subs}, carries=outs)

@@ -510,6 +510,8 @@ def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
     moves half values only when every branch hands it one: ``y = cond(flag, lambda h: h,
     lambda h: h @ w2, exp(x))`` is ``exp(x)`` itself when ``flag`` holds, so read in float32
     it stays float32 (the matmul's branch casts up, exactly) instead of coming back rounded.
+    A branch handing on a program input or a constant as is (``lambda s: s`` beside an
+    update computed in half) hands on a float32 value too (``Graph.outside_handoffs``).
     """
     copies = _moves_float32(g, p)  # clear ops painted half that move float32 values
     read_in_float32 = [
@@ -534,8 +536,10 @@ def _moves_float32(g: Graph, p: Painting) -> set[int]:
             n = g.nodes[c]
             if c not in half_clear or c in half:
                 continue
-            if n.key == "<cond-output>" and not all(f in half for f in n.fanin):
-                continue  # some branch hands on a float32 value
+            if n.key == "<cond-output>" and (
+                c in g.outside_handoffs or not all(f in half for f in n.fanin)
+            ):
+                continue  # some branch hands on a float32 value (an input, a constant)
             half.add(c)
             todo.append(c)
     return half_clear - half
