@@ -247,15 +247,6 @@ def _vjp_closure(program: Program, name: str, problem: str) -> bool:
     )
 
 
-def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> bool:
-    """A state update whose output gains a leading axis over its input: batched by
-    ``rewrite(vmap(f))``, or stacked by the scan a block runs in."""
-    if not (name.startswith("state") and "off float64" in problem):
-        return False
-    i = int(name[len("state") :].split("_")[0])
-    return program.transform == "vmap_inner" or "scan2" in program.blocks[i].wrappers
-
-
 #: The round-4 bugs this branch still has (issue 21; fixed on other branches): a problem one
 #: of these explains does not fail the generated-program test (each has an xfail regression
 #: test below). Delete an entry once its fix has merged; the test then fails on it again.
@@ -267,10 +258,6 @@ KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
     "issue 21 item 3 (grad(rewrite(f)) through a custom_vjp raises)": _vjp_closure,
     "issue 21 item 8 (a float32 value leaving a cond is rounded)": _exact_through(
         ("cond_ones", "cond_const"), lambda b: b.carrier == "cond" and not b.taken
-    ),
-    "issue 22 (found here): a state update batched (rewrite(vmap(f))) or stacked (a scan) "
-    "from an unbatched state is not of its input's shape, so no state: rounded in bfloat16": (
-        _state_with_a_leading_axis
     ),
 }
 
@@ -365,14 +352,13 @@ COUNTEREXAMPLES = [
         id="item8-cond-not-taken-state-bf16",
         marks=_xfail(8),
     ),
-    # found by the generator, not fixed yet: rewrite(vmap(sgd step)) with the state unbatched
-    # (shape [D] in, [2, D] out: no state by the shape rule): the step is rounded in bfloat16,
-    # 0.46u off float64 where the reference is 0.002u
+    # found by the generator (issue 22): rewrite(vmap(sgd step)) with the state unbatched
+    # (shape [D] in, [2, D] out) was no state by the shape rule: the step was rounded in
+    # bfloat16, 0.46u off float64 where the reference is 0.002u (origins.updates_state)
     pytest.param(
         Program((State("sgd", "step"),), transform="vmap_inner"),
         BF16,
         id="vmapped-state-bf16",
-        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
     ),
     # the same, the update stacked by a two-step scan around it (Adam: 0.44u off, reference
     # 1e-5u)
@@ -380,7 +366,6 @@ COUNTEREXAMPLES = [
         Program((State("adam", "step", wrappers=("scan2",)),)),
         BF16,
         id="stacked-state-bf16",
-        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
     ),
 ]
 
