@@ -1134,4 +1134,21 @@ MUTANTS: tuple[Mutant, ...] = (
         T_FP8 + "test_groups_split_matmul_flops_into_float8_bf16_float32",
         "explain's groups count float8 matmuls as bfloat16 ones",
     ),
+    # ---- stacked-state (issue 22): state with leading axes added ----------------------------
+    _m(
+        "origins.stacked_state_no_state",
+        "origins.py",
+        "    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state",
+        "    return False",
+        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        "a state update batched by vmap or stacked by a scan is rounded to half",
+    ),
+    _m(
+        "origins.size_one_broadcast_hands_no_state",
+        "origins.py",
+        "    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))",
+        "    return operand == out",
+        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        "vmap's sub(old[None], lr * g) is not linear in the unbatched state: rounded to half",
+    ),
 )
