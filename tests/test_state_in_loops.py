@@ -736,13 +736,19 @@ def test_state_update_with_leading_axes_added_is_float32(dtype, spelling, update
 
 
 @DTYPES
-def test_input_broadcast_into_a_nonlinear_sum_is_no_state(dtype):
-    """The leading-axes rule does not make every broadcast input a state: ``tanh(x @ w) +
-    sigmoid(b)`` with ``b`` an input of the output's trailing shape stays TF's colours."""
-    x, w, b = f32(23, 4, 8, 16), f32(24, 16, 16, scale=0.25), f32(25, 8, 16)
-
-    def f(x, w, b):
-        return jnp.tanh(x @ w) + jax.nn.sigmoid(b)
-
-    (add,) = jmp_rewrite.paint(f, x, w, b, dtype=dtype).find("add")
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda x, w, b: x @ w + b,  # a dense layer's bias: linear in b, but no step
+        lambda x, w, b: jax.vmap(lambda x: x @ w + b)(x),  # the same, batched
+        lambda x, w, b: jnp.tanh(x @ w) + jax.nn.sigmoid(b),  # nonlinear in b
+    ],
+    ids=["bias", "vmapped_bias", "nonlinear"],
+)
+def test_input_broadcast_onto_an_activation_is_no_state(dtype, layer):
+    """The leading-axes rule does not make every broadcast input a state: a bias ``b`` of the
+    output's trailing shape added to a matmul (no step size scales it: see
+    ``paint._stepped``) stays where TF's colours put it, half."""
+    x, w, b = f32(23, 4, 8, 16), f32(24, 16, 16, scale=0.25), f32(25, 16)
+    (add,) = jmp_rewrite.paint(layer, x, w, b, dtype=dtype).find("add")
     assert add.half and add.painted_by == "add_infer_to_allow_if_follow_allow"

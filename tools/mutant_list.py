@@ -1151,4 +1151,12 @@ MUTANTS: tuple[Mutant, ...] = (
         T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
         "vmap's sub(old[None], lr * g) is not linear in the unbatched state: rounded to half",
     ),
+    _m(
+        "paint.stacked_state_any_broadcast",
+        "paint.py",
+        "            if inp.shape == aval.shape or _stepped(g, j, src):",
+        "            if True:",
+        T_LOOPS + "test_input_broadcast_onto_an_activation_is_no_state",
+        "a dense layer's bias broadcast onto a matmul output is kept float32 as a state",
+    ),
 )
