@@ -161,8 +161,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.state_updates_not_kept",
         "paint.py",
-        "            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):",
-        "            if False:",
+        "            if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):",
+        "            if True:",
         (
             T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
             T_INV + "test_item2_state_update_between_two_matmuls_is_float32",
