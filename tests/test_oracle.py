@@ -48,10 +48,10 @@ finding below (0.44u-0.65u, reference 1e-5u-0.1u): rounding a state once costs a
 so ``STATE_SLACK = 0.25`` sees a single rounding. A lost round of loop updates or a sum
 accumulated in half costs many u, far past both bounds.
 
-The round-4 bugs this code still has (issue 21) are listed in :data:`KNOWN_BUGS`; a problem
-they explain does not fail the generated-program test, and each has a shrunk counterexample
-below, marked ``xfail(strict=True)`` until its fix merges (items 2 and 8 have: their
-counterexamples are plain regression tests now). In CI (profile ``ci``) the test
+Round 4's bugs (issue 21 items 1, 2, 3 and 8) were found by this generator before their
+fixes; their shrunk counterexamples are regression tests below. A bug it finds before its
+fix goes into :data:`KNOWN_BUGS`, with its counterexample marked ``xfail(strict=True)``.
+In CI (profile ``ci``) the test
 runs ``EXAMPLES`` (16) derandomized programs per dtype, unshrunk (about 2 s of CPU each:
 62 s of CPU for the 32, jax 0.10.2);
 ``HYPOTHESIS_PROFILE=long`` runs 200 per dtype, new ones each run, shrinking a failure.
@@ -210,24 +210,6 @@ def check(program: Program, dtype: Any) -> None:
 # Known bugs of this code (issue 21, round 4), fixed on other branches
 # ------------------------------------------------------------------------------------------
 
-_MULTIPLIED_MASKS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul")
-
-
-def _padded_mask_nan(program: Program, name: str, problem: str) -> bool:
-    return "inf/NaN" in problem and any(
-        isinstance(b, Attention) and b.mask_input and b.spelling in _MULTIPLIED_MASKS
-        for b in program.blocks
-    )
-
-
-def _vjp_closure(program: Program, name: str, problem: str) -> bool:
-    return (
-        name == "exception"
-        and "CustomVJPException" in problem
-        and program.transform == "grad_outer"
-        and any("custom_vjp" in b.wrappers for b in program.blocks)
-    )
-
 
 def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> bool:
     """A state update whose output gains a leading axis over its input: batched by
@@ -242,8 +224,6 @@ def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> boo
 #: of these explains does not fail the generated-program test (each has an xfail regression
 #: test below). Delete an entry once its fix has merged; the test then fails on it again.
 KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
-    "issue 21 item 1 (padded mask (1 - m) * min gives NaN rows)": _padded_mask_nan,
-    "issue 21 item 3 (grad(rewrite(f)) through a custom_vjp raises)": _vjp_closure,
     "issue 22 (found here): a state update batched (rewrite(vmap(f))) or stacked (a scan) "
     "from an unbatched state is not of its input's shape, so no state: rounded in bfloat16": (
         _state_with_a_leading_axis
@@ -295,20 +275,15 @@ def test_generated_programs_against_the_oracle(dtype, data):
 # ------------------------------------------------------------------------------------------
 
 
-def _xfail(item: int, branch: str = "masks") -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"issue 21 item {item}: fixed on branch {branch}")
-
-
 COUNTEREXAMPLES = [
     # NaN rows: a padded mask (an input) times finfo(float32).min, cast into a half add
-    pytest.param(Program((Attention("finfo_mul"),)), F16, id="item1-finfo-f16", marks=_xfail(1)),
-    pytest.param(Program((Attention("finfo_mul"),)), BF16, id="item1-finfo-bf16", marks=_xfail(1)),
-    pytest.param(Program((Attention("neg1e9_mul"),)), F16, id="item1-1e9-f16", marks=_xfail(1)),
+    pytest.param(Program((Attention("finfo_mul"),)), F16, id="item1-finfo-f16"),
+    pytest.param(Program((Attention("finfo_mul"),)), BF16, id="item1-finfo-bf16"),
+    pytest.param(Program((Attention("neg1e9_mul"),)), F16, id="item1-1e9-f16"),
     pytest.param(
         Program((Attention("neg3e38_mul", before_scale=True),)),
         BF16,
         id="item1-3e38-before-scale-bf16",
-        marks=_xfail(1),
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),
@@ -326,7 +301,6 @@ COUNTEREXAMPLES = [
         ),
         BF16,
         id="item3-custom-vjp-grad-outer",
-        marks=_xfail(3, "of round 4 (custom_vjp re-wrapping)"),
     ),
     # a float32 value leaving a cond read by a matmul came back rounded (exp: inf in f16);
     # an untaken branch handing on the input beside a half update (item 8, fixed)
