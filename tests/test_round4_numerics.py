@@ -126,16 +126,20 @@ def _attention_args():
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("spelling", list(SPELLINGS))
 def test_padded_rows_are_uniform_as_in_float32(dtype, jit, spelling):
-    f = _attention(spelling)
+    _check_pads_as_float32(_attention(spelling), ATTENTION_MASK, dtype, jit)
+
+
+def _check_pads_as_float32(f, mask, dtype, jit):
+    """Fully padded rows uniform as in float32, the rest within half tolerance, and the
+    scores and the bias added in half precision (nothing kept float32 to get there)."""
     wq, wk, x = _attention_args()
     rewritten = jr.rewrite(f, dtype=dtype)
-    out = np.asarray((jax.jit(rewritten) if jit else rewritten)(wq, wk, x, ATTENTION_MASK))
-    ref = np.asarray(f(wq, wk, x, ATTENTION_MASK))
+    out = np.asarray((jax.jit(rewritten) if jit else rewritten)(wq, wk, x, mask))
+    ref = np.asarray(f(wq, wk, x, mask))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[FULLY_PADDED], np.full((T, T), 1 / T), rtol=1e-2)
     np.testing.assert_allclose(out, ref, atol=2e-2)
-    # the scores and the bias were added in half precision: nothing kept float32 to get there
-    adds = [e for e in prims(emitted(rewritten, wq, wk, x, ATTENTION_MASK), "add")]
+    adds = [e for e in prims(emitted(rewritten, wq, wk, x, mask), "add")]
     assert any(runs_in_half(e) and e.outvars[0].aval.shape == (B, T, T) for e in adds)
 
 
@@ -243,16 +247,7 @@ def _float_mask_attention(spelling):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("spelling", list(FLOAT_SPELLINGS))
 def test_a_float_mask_argument_pads_as_in_float32(dtype, jit, spelling):
-    f = _float_mask_attention(spelling)
-    wq, wk, x = _attention_args()
-    rewritten = jr.rewrite(f, dtype=dtype)
-    out = np.asarray((jax.jit(rewritten) if jit else rewritten)(wq, wk, x, FLOAT_MASK))
-    ref = np.asarray(f(wq, wk, x, FLOAT_MASK))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out[FULLY_PADDED], np.full((T, T), 1 / T), rtol=1e-2)
-    np.testing.assert_allclose(out, ref, atol=2e-2)
-    adds = [e for e in prims(emitted(rewritten, wq, wk, x, FLOAT_MASK), "add")]
-    assert any(runs_in_half(e) and e.outvars[0].aval.shape == (B, T, T) for e in adds)
+    _check_pads_as_float32(_float_mask_attention(spelling), FLOAT_MASK, dtype, jit)
 
 
 @HALF
