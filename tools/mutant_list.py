@@ -62,15 +62,15 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.cast_feeding_output_retargeted",
         "paint.py",
-        "        if n.is_cast and n.process and n.fanout and not n.feeds_output:",
-        "        if n.is_cast and n.process and n.fanout:",
+        "        if n.is_cast and p.processes(n) and n.fanout and not n.feeds_output:",
+        "        if n.is_cast and p.processes(n) and n.fanout:",
         T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
         "[17.3] a cast whose value is an output is retargeted to half",
     ),
     _m(
         "paint.cast_rule_disabled",
         "paint.py",
-        "        if n.is_cast and n.process and n.fanout and not n.feeds_output:",
+        "        if n.is_cast and p.processes(n) and n.fanout and not n.feeds_output:",
         "        if False:",
         T_DTYPES + "test_a_cast_read_only_by_half_ops_casts_straight_to_half",
         "TF's MakeCastsAllowIfAllOutputsAllow never runs (an extra cast)",
@@ -78,16 +78,16 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.force_all_forces_casts",
         "paint.py",
-        "(force_all and n.float32 and not n.is_cast)",
-        "(force_all and n.float32)",
+        "forced = force_all and n.float32 and not n.is_cast",
+        "forced = force_all and n.float32",
         T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
         "[17.3] UNSAFE_FORCE_ALL also forces a cast that feeds an output",
     ),
     _m(
         "paint.allow_ignores_process",
         "paint.py",
-        "        if n.process and (n.kind == ALLOW or (force_all",
-        "        if (n.kind == ALLOW or (force_all",
+        "        if p.processes(n) and (p.kind_of(n) == ALLOW or forced):",
+        "        if (p.kind_of(n) == ALLOW or forced):",
         (
             T_DTYPES + "test_a_float32_region_holds_under_unsafe_force_all",
             T_REWRITE + "test_float32_region_is_never_converted_and_casts_back_on_entry",
@@ -105,8 +105,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.between_allow_clear_only",
         "paint.py",
-        "            lambda v, r: v.id == r or (v.kind in (CLEAR, INFER) and _eligible(v, p)),",
-        "            lambda v, r: v.id == r or (v.kind == CLEAR and _eligible(v, p)),",
+        "            lambda v, r: v.id == r or (p.kind_of(v) in (CLEAR, INFER) and _eligible(v, p)),",
+        "            lambda v, r: v.id == r or (p.kind_of(v) == CLEAR and _eligible(v, p)),",
         T_TF,
         "pass 3 skips infer ops between two allow ops",
     ),
@@ -132,7 +132,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.pass6_disabled",
         "paint.py",
-        "        if n.id in p.allow and n.kind == ALLOW and not n.float32:",
+        "        if n.id in p.allow and p.kind_of(n) == ALLOW and not n.float32:",
         "        if False:",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
         "[17.1] an allowlist op on half operands stays painted (TF RemoveAllowsetWithFp32)",
@@ -1053,8 +1053,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.allow_through_ineligible_clear",
         "paint.py",
-        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))",
-        "        return v.id == r or (v.id not in p.allow and v.kind == CLEAR)",
+        "        return v.id == r or (v.id not in p.allow and p.kind_of(v) == CLEAR and _eligible(v, p))",
+        "        return v.id == r or (v.id not in p.allow and p.kind_of(v) == CLEAR)",
         (
             T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
             T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",

@@ -610,11 +610,9 @@ def rewrite_closed(
         graph,
         infer_follows_allow=options.get("infer_follows_allow", True),
         force_all=options.get("force_all", False),
+        fp8=options.get("fp8"),
+        fp8_check=options.get("fp8_check", True),
     )
     if not painting.changed:
         return closed
-    if options.get("fp8") is not None:
-        painting.fp8 = fp8_lib.select(
-            graph, painting, options["fp8"], check_patterns=options.get("fp8_check", True)
-        )
     return Emitter(graph, painting, dtype, options).trace_program(closed, out_dtypes)

@@ -175,7 +175,7 @@ class Fp8Dot:
         return " x ".join(_short(f) for f in self.formats)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Fp8Selection:
     """The float8 choice of a painting (``Painting.fp8``).
 

@@ -9,7 +9,6 @@ and which pass decided that.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.graph import Graph, Node, is_f32
 from jmp_rewrite._src.origins import COMBINES
 
@@ -26,7 +26,10 @@ ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlist
 
 @dataclasses.dataclass
 class Painting:
-    """The outcome of painting a graph.
+    """The outcome of painting a graph: every per-node decision. No pass changes the graph;
+    what a pass decides about a node beyond its colour is recorded here too, and the passes
+    read a node's kind and TF's ``ShouldProcess`` through :meth:`kind_of` and
+    :meth:`processes`, so painting a graph twice gives equal paintings.
 
     Attributes:
       allow: ids of the nodes that run in half precision.
@@ -35,6 +38,10 @@ class Painting:
       changed: False when TF's "No allowlist ops found, nothing to do" applies.
       fp8: the matmuls run in float8 (a :class:`~jmp_rewrite._src.fp8.Fp8Selection`), or
         None without ``fp8=True``.
+      kept: node id -> the pass that took it out of painting (kept float32; see
+        ``_keep_float32``): no longer processed, whatever its list.
+      released: node id -> the pass that made it unlisted (a deny op that spreads nothing).
+      as_infer: deny nodes painted as if on the infer list (:func:`deny_releases`' what-ifs).
     """
 
     allow: set[int]
@@ -42,11 +49,25 @@ class Painting:
     painted_by: dict[int, str]
     changed: bool
     fp8: Any = None
+    kept: dict[int, str] = dataclasses.field(default_factory=dict)
+    released: dict[int, str] = dataclasses.field(default_factory=dict)
+    as_infer: frozenset[int] = frozenset()
 
     def colour(self, node_id: int) -> str:
         if node_id in self.allow:
             return ALLOW
         return DENY if node_id in self.deny else "float32"
+
+    def kind_of(self, n: Node) -> str:
+        """The kind the passes paint ``n`` by: its graph kind, unless released or asked as
+        infer."""
+        if n.id in self.released:
+            return UNLISTED
+        return INFER if n.id in self.as_infer else n.kind
+
+    def processes(self, n: Node) -> bool:
+        """TF's ``ShouldProcess`` for ``n``: the graph's, unless a pass kept it float32."""
+        return n.process and n.id not in self.kept
 
 
 def _dfs(
@@ -83,9 +104,8 @@ def _keep_float32(g: Graph, p: Painting, ids: Iterable[int], why: str) -> None:
     but keep their list for TF's deny propagation (a float32 Sum still spreads deny), so
     the rest of the program is painted as TF would paint it."""
     for i in ids:
-        n = g.nodes[i]
-        if n.process:
-            n.process = False
+        if p.processes(g.nodes[i]):
+            p.kept[i] = why
             p.painted_by[i] = why
 
 
@@ -144,7 +164,7 @@ def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
     names the operand types itself: it runs as written too. The default precision
     (``None``, ``DotAlgorithmPreset.DEFAULT``) and lower ones are painted by the lists.
     """
-    keep = [n.id for n in g.nodes if n.eqn is not None and n.process and _asks_float32(n.eqn)]
+    keep = [n.id for n in g.nodes if n.eqn is not None and p.processes(n) and _asks_float32(n.eqn)]
     _keep_float32(g, p, keep, "keep_highest_precision_float32")
 
 
@@ -322,8 +342,8 @@ def keep_normalization_statistics_float32(g: Graph, p: Painting) -> None:
     )
     _keep_float32(g, p, keep, "keep_normalization_statistics_float32")
     for i in keep:
-        if g.nodes[i].kind == DENY:
-            g.nodes[i].kind = UNLISTED
+        if p.kind_of(g.nodes[i]) == DENY:
+            p.released[i] = "keep_normalization_statistics_float32"
 
 
 #: Functions whose limit at +-Inf is finite and exact (``tanh(inf) == 1``).
@@ -373,8 +393,8 @@ def release_saturated_powers(g: Graph, p: Painting) -> None:
     A power whose value is read anywhere else (or an output) stays deny.
     """
     for n in g.nodes:
-        if n.kind == DENY and n.key in _POWERS and n.process and _saturates(g, n.id):
-            n.kind = UNLISTED
+        if p.kind_of(n) == DENY and n.key in _POWERS and p.processes(n) and _saturates(g, n.id):
+            p.released[n.id] = "release_saturated_powers"
             p.painted_by[n.id] = "release_saturated_powers"
 
 
@@ -385,7 +405,8 @@ def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:
     ops that cannot hold half precision excluded).
     """
     for n in g.nodes:
-        if n.process and (n.kind == ALLOW or (force_all and n.float32 and not n.is_cast)):
+        forced = force_all and n.float32 and not n.is_cast
+        if p.processes(n) and (p.kind_of(n) == ALLOW or forced):
             p.allow.add(n.id)
             p.painted_by[n.id] = "add_allowlist_ops"
 
@@ -399,16 +420,16 @@ def propagate_deny_forward_through_clear_and_infer(g: Graph, p: Painting) -> Non
     ``deny deny deny deny clear allow infer``.
     """
     upstream: set[int] = set()  # U: deny/infer ops and clear ops leading to one
-    for r in (n.id for n in g.nodes if n.kind in (DENY, INFER)):
+    for r in (n.id for n in g.nodes if p.kind_of(n) in (DENY, INFER)):
         for v in _dfs(
             [r],
             _fanin,
             g.nodes,
-            lambda v, r: v.id == r or (v.id not in upstream and v.kind == CLEAR),
+            lambda v, r: v.id == r or (v.id not in upstream and p.kind_of(v) == CLEAR),
         ):
             upstream.add(v)
     reached: set[int] = set()
-    for r in (n.id for n in g.nodes if n.kind == DENY):
+    for r in (n.id for n in g.nodes if p.kind_of(n) == DENY):
         if r in reached:
             continue
         for v in _dfs(
@@ -418,13 +439,13 @@ def propagate_deny_forward_through_clear_and_infer(g: Graph, p: Painting) -> Non
             lambda v, r: v.id == r or (v.id not in reached and v.id in upstream),
         ):
             reached.add(v)
-            if g.nodes[v].process:  # nodes kept float32 by an earlier pass keep that reason
+            if p.processes(g.nodes[v]):  # nodes kept float32 by an earlier pass keep that reason
                 p.deny.add(v)
                 p.painted_by[v] = "propagate_deny_forward_through_clear_and_infer"
 
 
 def _eligible(n: Node, p: Painting) -> bool:
-    return n.process and n.float32 and n.id not in p.deny
+    return p.processes(n) and n.float32 and n.id not in p.deny
 
 
 def add_clear_and_infer_to_allow_if_between_allow(g: Graph, p: Painting) -> None:
@@ -433,13 +454,13 @@ def add_clear_and_infer_to_allow_if_between_allow(g: Graph, p: Painting) -> None
     Clear and infer ops on an ``allow -> ... -> allow`` path made only of eligible clear/infer
     ops become allow: no casting back and forth between two half-precision matmuls.
     """
-    roots = [n.id for n in g.nodes if n.process and n.kind == ALLOW]
+    roots = [n.id for n in g.nodes if p.processes(n) and p.kind_of(n) == ALLOW]
     downstream = set(
         _dfs(
             roots,
             _fanout,
             g.nodes,
-            lambda v, r: v.id == r or (v.kind in (CLEAR, INFER) and _eligible(v, p)),
+            lambda v, r: v.id == r or (p.kind_of(v) in (CLEAR, INFER) and _eligible(v, p)),
         )
     )
     for v in _dfs(roots, _fanin, g.nodes, lambda v, r: v.id == r or v.id in downstream):
@@ -457,7 +478,7 @@ def add_infer_to_allow_if_follow_allow(g: Graph, p: Painting) -> None:
     (relu is not allow yet).
     """
     for n in g.nodes:
-        if n.kind != INFER or not _eligible(n, p) or n.id in p.allow:
+        if p.kind_of(n) != INFER or not _eligible(n, p) or n.id in p.allow:
             continue
         if any(s in p.deny for s in n.fanin):
             continue
@@ -472,10 +493,10 @@ def propagate_allow_through_clear(g: Graph, p: Painting) -> None:
     Upstream too: ``param -> reshape -> transpose -> matmul`` casts once, right after the
     parameter, and reshapes/transposes the half-precision copy.
     """
-    roots = [n for n in sorted(p.allow) if g.nodes[n].process]
+    roots = [n for n in sorted(p.allow) if p.processes(g.nodes[n])]
 
     def enter(v: Node, r: int) -> bool:
-        return v.id == r or (v.id not in p.allow and v.kind == CLEAR and _eligible(v, p))
+        return v.id == r or (v.id not in p.allow and p.kind_of(v) == CLEAR and _eligible(v, p))
 
     for v in _dfs(roots, lambda n: [*n.fanin, *n.fanout], g.nodes, enter):
         if v not in p.allow:
@@ -486,7 +507,7 @@ def propagate_allow_through_clear(g: Graph, p: Painting) -> None:
 def remove_allow_without_float32(g: Graph, p: Painting) -> None:
     """Pass 6, TF ``RemoveAllowsetWithFp32``: allowlist ops that cannot hold half go back."""
     for n in g.nodes:
-        if n.id in p.allow and n.kind == ALLOW and not n.float32:
+        if n.id in p.allow and p.kind_of(n) == ALLOW and not n.float32:
             p.allow.discard(n.id)
             p.painted_by[n.id] = "remove_allow_without_float32"
 
@@ -528,8 +549,8 @@ def _moves_float32(g: Graph, p: Painting) -> set[int]:
     """The clear ops painted half that no half value reaches (see
     :func:`keep_float32_reads_unrounded`): a worklist from the ops computing in half, through
     clear ops painted half; a ``cond`` output is reached once all its inputs are."""
-    half_clear = {n.id for n in g.nodes if n.id in p.allow and n.kind == CLEAR}
-    half = {n.id for n in g.nodes if n.id in p.allow and n.kind != CLEAR}
+    half_clear = {n.id for n in g.nodes if n.id in p.allow and p.kind_of(n) == CLEAR}
+    half = {n.id for n in g.nodes if n.id in p.allow and p.kind_of(n) != CLEAR}
     todo = list(half)
     while todo:
         for c in g.nodes[todo.pop()].fanout:
@@ -550,7 +571,7 @@ def make_casts_allow_if_all_outputs_allow(g: Graph, p: Painting) -> None:
     half-precision consumers casts to half instead (``bool -> f32 -> matmul`` becomes
     ``bool -> f16``), saving a cast."""
     for n in g.nodes:
-        if n.is_cast and n.process and n.fanout and not n.feeds_output:
+        if n.is_cast and p.processes(n) and n.fanout and not n.feeds_output:
             if all(c in p.allow for c in n.fanout):
                 p.allow.add(n.id)
                 p.painted_by[n.id] = "make_casts_allow_if_all_outputs_allow"
@@ -568,18 +589,33 @@ def inherit_unit_colours(g: Graph, p: Painting) -> None:
             p.painted_by[n.id] = p.painted_by.get(n.unit, "unit")
 
 
-def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False) -> Painting:
-    """Runs TF's passes, in TF's order, on ``g``.
+def paint(
+    g: Graph,
+    *,
+    infer_follows_allow: bool = True,
+    force_all: bool = False,
+    fp8: Any = None,
+    fp8_check: bool = True,
+    as_infer: frozenset[int] = frozenset(),
+) -> Painting:
+    """Runs TF's passes, in TF's order, on ``g`` (which no pass changes).
 
     Args:
       g: the painting graph.
       infer_follows_allow: run pass 4 (TF >= 2.20 in every mode; before that only in bf16).
       force_all: TF's ``UNSAFE_FORCE_ALL`` level.
+      fp8: the :class:`~jmp_rewrite._src.fp8.Fp8Rules` choosing the float8 matmuls of a
+        changed painting, or None.
+      fp8_check: an ``fp8`` pattern matching no matmul is an error.
+      as_infer: deny nodes to paint as if they were on the infer list.
 
     Returns:
       The :class:`Painting`.
+
+    Raises:
+      ValueError: if ``fp8_check`` and a pattern of ``fp8`` matches no matmul.
     """
-    p = Painting(allow=set(), deny=set(), painted_by={}, changed=True)
+    p = Painting(allow=set(), deny=set(), painted_by={}, changed=True, as_infer=as_infer)
     keep_output_copies_float32(g, p)
     keep_unrun_loop_carries_float32(g, p)
     keep_state_updates_float32(g, p)
@@ -602,31 +638,29 @@ def paint(g: Graph, *, infer_follows_allow: bool = True, force_all: bool = False
     inherit_unit_colours(g, p)
     if not any(g.nodes[n].float32 for n in p.allow) and not g.opaque_allow:
         p.changed = False
+    if fp8 is not None and p.changed:
+        p.fp8 = fp8_lib.select(g, p, fp8, check_patterns=fp8_check)
     return p
 
 
 def deny_releases(graph: Graph, painting: Painting, options: dict) -> dict[int, tuple[str, ...]]:
     """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
 
-    Repaints the graph once per deny key present (the passes run on node kinds only, so
-    nodes of that key are swapped for infer copies; nothing is traced again).
+    Repaints the graph once per deny key present, its nodes of that key painted as infer
+    (``paint``'s ``as_infer``; nothing is traced again, the graph is not changed).
     """
     if not painting.changed or options.get("force_all"):
         return {}
-    keys = sorted(
-        {n.key for n in graph.nodes if n.process and n.kind == "deny" and n.id in painting.deny}
-    )
+    deny = [n for n in graph.nodes if painting.processes(n) and painting.kind_of(n) == DENY]
+    keys = sorted({n.key for n in deny if n.id in painting.deny})
     out: dict[int, list[str]] = collections.defaultdict(list)
     for key in keys:
-        nodes = [
-            dataclasses.replace(n, kind="infer", listed_kind="infer")
-            if n.key == key and n.kind == "deny"
-            else n
-            for n in graph.nodes
-        ]
-        variant = copy.copy(graph)  # the same graph, with those nodes swapped
-        variant.nodes = nodes
-        p = paint(variant, infer_follows_allow=bool(options.get("infer_follows_allow", True)))
+        moved = frozenset(n.id for n in graph.nodes if n.key == key and painting.kind_of(n) == DENY)
+        p = paint(
+            graph,
+            infer_follows_allow=bool(options.get("infer_follows_allow", True)),
+            as_infer=moved,
+        )
         for i in sorted(p.allow - painting.allow):
             if graph.nodes[i].eqn is not None:
                 out[i].append(key)

@@ -22,7 +22,6 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import arguments, nnx_support
-from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
@@ -69,10 +68,11 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
         return None, None
     graph = Graph(closed, config.lists, config.dtype)
     painting = paint(
-        graph, infer_follows_allow=config.infer_follows_allow, force_all=config.force_all
+        graph,
+        infer_follows_allow=config.infer_follows_allow,
+        force_all=config.force_all,
+        fp8=config.fp8,
     )
-    if config.fp8 is not None and painting.changed:
-        painting.fp8 = fp8_lib.select(graph, painting, config.fp8)
     return graph, painting
 
 
