@@ -139,7 +139,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.unit_deny_pieces_half",
-        "paint.py",
+        "paint_additions.py",
         " and n.unit in p.allow and n.listed_kind != DENY:",
         " and n.unit in p.allow:",
         T_REWRITE + "test_named_unit_log_softmax_runs_whole_in_half_between_matmuls",
@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.output_copies_not_kept",
-        "paint.py",
+        "paint_additions.py",
         "    roots = [s for s, o, _ in g.outputs if s is not None and o.copy_of is not None]",
         "    roots = []",
         T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
@@ -160,7 +160,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.state_updates_not_kept",
-        "paint.py",
+        "paint_additions.py",
         "            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):",
         "            if False:",
         (
@@ -171,7 +171,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.centring_not_a_statistic",
-        "paint.py",
+        "paint_additions.py",
         '    {"square", "integer_pow", "mul", "sub", "div", "convert_element_type",',
         '    {"square", "integer_pow", "mul", "div", "convert_element_type",',
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
@@ -187,7 +187,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.statistics_climb_through_matmuls",
-        "paint.py",
+        "paint_additions.py",
         "        return n.eqn is not None and n.unit is None and not n.region and n.listed_kind != ALLOW",
         "        return n.eqn is not None and n.unit is None and not n.region",
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
@@ -612,7 +612,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- issue 14: state in loops ----------------------------------------------------------
     _m(
         "paint.loop_state_not_kept",
-        "paint.py",
+        "paint_additions.py",
         "        if ls.recurrent and g.nodes[ls.carry].float32:",
         "        if False:",
         (
@@ -680,7 +680,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.algorithm_presets_painted",
-        "paint.py",
+        "paint_additions.py",
         "        return precision != lax.DotAlgorithmPreset.DEFAULT",
         "        return False",
         T_DTYPES + "test_a_matmul_that_names_its_precision_or_algorithm_runs_as_written",
@@ -896,7 +896,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.unrun_carries_painted",
-        "paint.py",
+        "paint_additions.py",
         '    _keep_float32(g, p, g.unrun_carries, "keep_unrun_loop_carries_float32")',
         '    _keep_float32(g, p, [], "keep_unrun_loop_carries_float32")',
         T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
@@ -912,7 +912,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.cond_output_half_if_any_branch_half",
-        "paint.py",
+        "paint_additions.py",
         "                c in g.outside_handoffs or not all(f in half for f in n.fanin)",
         "                c in g.outside_handoffs or not any(f in half for f in n.fanin)",
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
@@ -1000,7 +1000,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.division_not_an_increment",
-        "paint.py",
+        "paint_additions.py",
         '    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}',
         '    {"add", "sub", "add_any", "neg", "mul", "convert_element_type", "select_n"}',
         T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
@@ -1034,7 +1034,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # code, on lines no mutant above touches; scored separately (README, Development) --------
     _m(
         "paint.scalar_array_scaling_is_a_product",
-        "paint.py",
+        "paint_additions.py",
         '    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))',
         "    return sum(1 for a in n.eqn.invars if not jc.is_literal(a))",
         T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
@@ -1043,7 +1043,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.statistics_only_right_after_a_reduction",
-        "paint.py",
+        "paint_additions.py",
         "            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)",
         "            leads[u] = n.key in _REDUCTIONS",
         T_INV + "test_item2_batch_statistics_are_float32",

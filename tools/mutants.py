@@ -67,7 +67,15 @@ _LOSS_SCALE_FILES = ("tests/test_loss_scale.py", "tests/test_loss_scale_optimize
 BROAD: dict[str, tuple[str, ...]] = {
     **{
         "jmp_rewrite/_src/" + m: _REWRITE_FILES
-        for m in ("paint.py", "graph.py", "origins.py", "emit.py", "higher_order.py")
+        for m in (
+            "paint.py",
+            "paint_additions.py",
+            "painting.py",
+            "graph.py",
+            "origins.py",
+            "emit.py",
+            "higher_order.py",
+        )
     },
     "jmp_rewrite/_src/op_lists.py": _REWRITE_FILES,
     "jmp_rewrite/_src/environment.py": _REWRITE_FILES,

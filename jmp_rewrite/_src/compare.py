@@ -45,7 +45,8 @@ from jmp_rewrite._src import source_info
 from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
-from jmp_rewrite._src.paint import Painting, half_accumulating_carries
+from jmp_rewrite._src.paint_additions import half_accumulating_carries
+from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.suggest import TO_REGION, Suggestion, fmt_error, suggest
 
 #: Default tolerance on the relative error, per half-precision dtype: 20 (float16) or 13
@@ -402,7 +403,8 @@ def _half_carry_notes(
     graph: Graph, painting: Painting, stats: dict[int, Stats], dtype: np.dtype
 ) -> list[str]:
     """Loop carries run in half precision that add to themselves (see
-    :func:`~jmp_rewrite._src.paint.half_accumulating_carries`), with their measured error."""
+    :func:`~jmp_rewrite._src.paint_additions.half_accumulating_carries`), with their measured
+    error."""
     notes = []
     for carry, path in half_accumulating_carries(graph, painting).items():
         through = ", ".join(dict.fromkeys(graph.nodes[i].key for i in path if i != carry))

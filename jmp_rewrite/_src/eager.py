@@ -26,7 +26,7 @@ from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.emit import Emitter, Hooks, Staged, cast
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
-from jmp_rewrite._src.paint import Painting
+from jmp_rewrite._src.painting import Painting
 
 _TINY = float(np.finfo(np.float32).tiny)
 

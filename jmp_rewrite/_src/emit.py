@@ -42,7 +42,8 @@ from jmp_rewrite._src.graph import (
     is_float,
 )
 from jmp_rewrite._src.higher_order import bind
-from jmp_rewrite._src.paint import Painting, paint
+from jmp_rewrite._src.paint import paint
+from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
 
 _SCATTER_FUNS = {

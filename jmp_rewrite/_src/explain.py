@@ -25,7 +25,8 @@ from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import EquationPaint, dtypes_after, equation_facts
 from jmp_rewrite._src.graph import Graph, Node, is_float, walk_scopes
-from jmp_rewrite._src.paint import deny_releases, half_accumulating_carries
+from jmp_rewrite._src.paint import deny_releases
+from jmp_rewrite._src.paint_additions import half_accumulating_carries
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 

@@ -324,11 +324,11 @@ class Graph:
         self.loop_states: list[LoopState] = []
         #: the carry nodes of loops known when painting to run zero times (a scan of length
         #: 0, a ``while`` whose condition is false on literal initial values): they hand
-        #: their initial values on (``paint.keep_unrun_loop_carries_float32``).
+        #: their initial values on (``paint_additions.keep_unrun_loop_carries_float32``).
         self.unrun_carries: list[int] = []
         #: ``cond`` outputs that some branch hands a value with no node of its own: a program
         #: input, a constant the branch closes over, a literal -- a float32 value, as is
-        #: (``paint.keep_float32_reads_unrounded``).
+        #: (``paint_additions.keep_float32_reads_unrounded``).
         self.outside_handoffs: set[int] = set()
         self._n_states = len(jaxpr.invars)
         self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)

@@ -25,7 +25,8 @@ from jmp_rewrite._src import arguments, nnx_support
 from jmp_rewrite._src.emit import Emitter, rewrite_closed
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
-from jmp_rewrite._src.paint import Painting, paint
+from jmp_rewrite._src.paint import paint
+from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.settings import (
     _HALF_DTYPES_MSG,
     RewriteConfig,

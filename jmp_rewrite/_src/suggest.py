@@ -12,7 +12,7 @@ import numpy as np
 from jmp_rewrite._src.eager import Stats
 from jmp_rewrite._src.facts import user_scope
 from jmp_rewrite._src.graph import Graph, has_jaxpr_param
-from jmp_rewrite._src.paint import Painting
+from jmp_rewrite._src.painting import Painting
 
 #: Suggestion targets: a list change, or a float32 region (when lists cannot help).
 TO_DENY = "deny"
