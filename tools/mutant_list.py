@@ -946,7 +946,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.flops_share_divided_raw",
-        "explain.py",
+        "report.py",
         "        return shapes.ratio(sum(e.flops for e in self.equations if e.half), "
         "self.matmul_flops)",
         "        return sum(e.flops for e in self.equations if e.half) / (self.matmul_flops or 1)",

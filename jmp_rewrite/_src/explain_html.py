@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from typing import TYPE_CHECKING
 
 from jmp_rewrite._src import source_info as si
 from jmp_rewrite._src.explain_view import (
@@ -31,9 +30,7 @@ from jmp_rewrite._src.explain_view import (
     lint,
     phase_totals,
 )
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only: explain imports this module
-    from jmp_rewrite._src.explain import EquationReport, Report
+from jmp_rewrite._src.report import EquationReport, ReportData
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
 LIST_COLOURS = {
@@ -200,7 +197,7 @@ class _Node:
     own: Group | None = None
 
 
-def _tree(report: Report) -> _Node:
+def _tree(report: ReportData) -> _Node:
     root = _Node("")
     for g in groups(report, "scope"):
         if g.key == _OUTPUTS:
@@ -242,7 +239,7 @@ def _render(node: _Node, colours: dict[str, str], half: str, depth: int) -> str:
     )
 
 
-def _summary_table(report: Report) -> str:
+def _summary_table(report: ReportData) -> str:
     head = ["equations", "half", "casts", "matmul/conv FLOPs", "in half", "float32 out"]
     rows = ["<tr><th>phase</th>" + "".join(f"<th class='num'>{h}</th>" for h in head)]
     rows[0] += "<th class='num'>half out</th></tr>"
@@ -306,7 +303,7 @@ def _legend() -> str:
     )
 
 
-def to_html(report: Report) -> str:
+def to_html(report: ReportData) -> str:
     """The report as an HTML fragment: totals per phase, a legend of the lists and colours,
     the lint and the tree of scopes (``<details>``), each with its equations (list colour,
     precision, the reason in words, source)."""

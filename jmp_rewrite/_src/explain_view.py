@@ -17,15 +17,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jmp_rewrite._src import shapes as shape_lib
 from jmp_rewrite._src import source_info as si
 from jmp_rewrite._src.emit import ACCUMULATING
 from jmp_rewrite._src.op_lists import REASONS
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only: explain imports this module
-    from jmp_rewrite._src.explain import EquationReport, Report
+from jmp_rewrite._src.report import EquationReport, ReportData
 
 BY = ("scope", "line", "primitive")
 #: Tensor cores take float16/bfloat16 GEMMs whose dimensions are multiples of this.
@@ -179,7 +177,7 @@ def _fits_cast(e: EquationReport, to_half: bool) -> bool:
     return not e.half or e.primitive in ("convert_element_type", *ACCUMULATING)
 
 
-def cast_owners(report: Report) -> list[int | None]:
+def cast_owners(report: ReportData) -> list[int | None]:
     """For each cast of ``report``, the index of the equation it feeds (None: an output).
 
     Casts name their consumer by path, which repeats (every top-level ``dot_general`` is
@@ -209,7 +207,7 @@ def _key(e: EquationReport, by: str) -> str:
     return e.scope if by == "scope" else e.source if by == "line" else e.primitive
 
 
-def groups(report: Report, by: str = "scope") -> list[Group]:
+def groups(report: ReportData, by: str = "scope") -> list[Group]:
     """Groups the equations of ``report``; see :meth:`jmp_rewrite.Report.groups`."""
     if by not in BY:
         raise ValueError(f"by={by!r}: expected one of {', '.join(BY)}")
@@ -226,7 +224,7 @@ def groups(report: Report, by: str = "scope") -> list[Group]:
     return list(out.values())
 
 
-def phase_totals(report: Report) -> dict[str, GroupStats]:
+def phase_totals(report: ReportData) -> dict[str, GroupStats]:
     """:class:`GroupStats` per phase of the whole program."""
     out: dict[str, GroupStats] = {}
     casts = collections.Counter(cast_owners(report))
@@ -281,7 +279,7 @@ def _where(scope: str, source: str) -> str:
     return (where if source else "") + (f" ({scope})" if scope else "")
 
 
-def lint(report: Report) -> list[Finding]:
+def lint(report: ReportData) -> list[Finding]:
     """Findings for ``report``; see :meth:`jmp_rewrite.Report.lint`."""
     findings: list[Finding] = []
     odd: dict[tuple[Any, ...], list[EquationReport]] = {}
@@ -361,7 +359,7 @@ def lint(report: Report) -> list[Finding]:
     )
 
 
-def _float8_shapes(report: Report) -> list[Finding]:
+def _float8_shapes(report: ReportData) -> list[Finding]:
     """Under ``fp8=True``: weight GEMMs left bfloat16 only because of their shape."""
     out = []
     for e in report.equations:
@@ -388,7 +386,7 @@ def _float8_shapes(report: Report) -> list[Finding]:
     return out
 
 
-def _gradient_underflow(report: Report) -> list[Finding]:
+def _gradient_underflow(report: ReportData) -> list[Finding]:
     """A float16 backward pass whose matmuls run in half with no loss scaling in sight:
     their cotangent inputs are rounded to float16, and gradients below 6e-8 become zero
     (TF needs its loss-scale optimizer in float16 for the same reason)."""
@@ -418,7 +416,7 @@ def _gradient_underflow(report: Report) -> list[Finding]:
     ]
 
 
-def _half_carries(report: Report) -> list[Finding]:
+def _half_carries(report: ReportData) -> list[Finding]:
     """Loop carries in half precision whose next value adds to them (an accumulator the
     rewrite did not recognise as state: its update is not linear in it)."""
     out = []
@@ -497,7 +495,7 @@ def _short_sources(sources: list[str], limit: int = 2) -> str:
     return ", ".join(shown) + (f" +{len(sources) - limit}" if len(sources) > limit else "")
 
 
-def format_groups(report: Report, by: str = "scope") -> str:
+def format_groups(report: ReportData, by: str = "scope") -> str:
     """A text table of :func:`groups`, one row per group and phase, then the lint."""
     rows = [
         (by, "phase", "eqns", "half", "casts", "FLOPs", "half", "f32 out", "half out", "where"),
