@@ -209,7 +209,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- graph.py: the painting graph ------------------------------------------------------
     _m(
         "graph.is_float32_outputs_only",
-        "graph.py",
+        "equations.py",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]",
         "    dtypes = [a.aval.dtype for a in _float_atoms(eqn.outvars)]",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -217,7 +217,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.is_float32_first_operand",
-        "graph.py",
+        "equations.py",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars[:1], *eqn.outvars])]",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -225,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.is_float32_any",
-        "graph.py",
+        "equations.py",
         "    return bool(dtypes) and all(is_f32(d) for d in dtypes)",
         "    return bool(dtypes) and any(is_f32(d) for d in dtypes)",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -904,7 +904,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.while_false_at_once_unknown",
-        "graph.py",
+        "equations.py",
         "        return not np.asarray(keep_going).any()",
         "        return False",
         T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
@@ -1083,7 +1083,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.remat_forward_is_backward",
-        "graph.py",
+        "equations.py",
         '    return (outer or "transpose(" in stack) and "rematted_computation" not in stack',
         '    return outer or "transpose(" in stack',
         (

@@ -43,8 +43,9 @@ from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
 from jmp_rewrite._src import source_info
 from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
+from jmp_rewrite._src.equations import is_f32, is_float
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
-from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
+from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.paint_additions import half_accumulating_carries
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.suggest import TO_REGION, Suggestion, fmt_error, suggest

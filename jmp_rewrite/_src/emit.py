@@ -33,14 +33,8 @@ from jmp_rewrite._src import custom_rules, shapes
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.custom_rules import cast
-from jmp_rewrite._src.graph import (
-    SCATTER_REBUILDERS,
-    EqnRec,
-    Graph,
-    ScopeRec,
-    is_f32,
-    is_float,
-)
+from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float
+from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
 from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting

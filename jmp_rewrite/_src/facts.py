@@ -15,7 +15,8 @@ from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.emit import accumulates_in_float32
-from jmp_rewrite._src.graph import Graph, Node, is_f32, is_float
+from jmp_rewrite._src.equations import is_f32, is_float
+from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE
 from jmp_rewrite._src.source_info import split_name_stack

@@ -27,17 +27,24 @@ op never taints float data through a comparison's boolean output.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
+from jmp_rewrite._src.equations import (
+    SCATTER_REBUILDERS,
+    eqn_is_float32,
+    false_at_once,
+    has_jaxpr_param,
+    holds_allow_ops,
+    in_backward_pass,
+    is_f32,
+    is_float,
+    op_key,
+)
 from jmp_rewrite._src.origins import (
     CONST,
     NOWHERE,
@@ -54,83 +61,6 @@ from jmp_rewrite._src.regions import in_float32_region
 
 #: Kinds of higher-order equation whose body is inlined as a call.
 _CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)
-
-
-#: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
-#: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
-SCATTER_REBUILDERS = ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max")
-
-_UNIT_NAME = re.compile(r"^(?:\w+\()*([A-Za-z_][\w]*)\)*$")
-
-
-def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def is_f32(dtype: Any) -> bool:
-    return is_float(dtype) and np.dtype(dtype) == np.float32
-
-
-def unit_name(jit_name: str) -> str:
-    """``transpose(jvp(log_softmax))`` -> ``log_softmax``."""
-    match = _UNIT_NAME.match(jit_name or "")
-    return match.group(1) if match else (jit_name or "")
-
-
-def in_backward_pass(outer: bool, eqn: Any) -> bool:
-    """Whether ``eqn`` belongs to a backward pass, ``outer`` telling whether the equation
-    holding its jaxpr does: JAX names the transposed equations ``transpose(...)`` in their
-    name stack, and a rematerialised forward inside the backward ``rematted_computation``."""
-    stack = jc.name_stack(eqn)
-    return (outer or "transpose(" in stack) and "rematted_computation" not in stack
-
-
-def op_key(eqn: Any, lists: Any, backward: bool = False) -> str:
-    """The list key of an equation: its primitive name, or a virtual key.
-
-    ``integer_pow`` is split by exponent, as TF has separate Reciprocal, Square and Pow ops;
-    a ``dot_general`` that contracts nothing is an ``outer_product`` (TF Mul, infer);
-    a ``jit`` whose name is on a list (``jit:softplus``) is one fused op. Its transpose (JAX
-    keeps the name ``log_softmax`` under a ``transpose(jvp())`` name stack: ``backward``) is
-    not: TF's gradients of fused ops are separate ops (LogSoftmax's is Exp, Sum, Mul, Sub,
-    with Exp deny), so the backward pass is painted primitive by primitive.
-    """
-    name = eqn.primitive.name
-    if name == "integer_pow":
-        return integer_pow_key(eqn.params["y"])
-    if name == "dot_general":
-        return dot_general_key(eqn.params["dimension_numbers"])
-    if ho.jit_name(eqn) and not backward and "transpose(" not in ho.jit_name(eqn):
-        unit = "jit:" + unit_name(ho.jit_name(eqn))
-        if lists.kind(unit) != "unlisted":
-            return unit
-    return name
-
-
-def _float_atoms(atoms: Any) -> list[Any]:
-    return [a for a in atoms if is_float(a.aval.dtype)]
-
-
-def eqn_is_float32(eqn: Any) -> bool:
-    """TF's ``IsFloat32``: every float value in or out is float32, and there is one."""
-    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]
-    return bool(dtypes) and all(is_f32(d) for d in dtypes)
-
-
-def has_jaxpr_param(eqn: Any) -> bool:
-    """Whether an equation holds a jaxpr in its params (directly or in a tuple)."""
-    return bool(ho.held_jaxprs(eqn))
-
-
-def holds_allow_ops(eqn: Any, lists: Any) -> bool:
-    """Whether the jaxprs ``eqn`` holds (at any depth) contain a float32 allowlist op."""
-    for body in ho.held_jaxprs(eqn):
-        for inner in jc.open_jaxpr(body).eqns:
-            if lists.kind(op_key(inner, lists)) == "allow" and eqn_is_float32(inner):
-                return True
-            if holds_allow_ops(inner, lists):
-                return True
-    return False
 
 
 def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
@@ -161,26 +91,6 @@ def _discrete(var: Any, o: Origin) -> Origin:
     if is_float(var.aval.dtype) or o.frozen:
         return o
     return dataclasses.replace(o, frozen=True)
-
-
-def _false_at_once(layout: Any, atoms: list[Any]) -> bool:
-    """Whether a ``while`` loop's condition is false on its initial values, known when they
-    are literals (``while_loop(lambda c: c[0] < n, body, (0, x))`` with a literal ``n``)."""
-    cond = layout.body("cond")
-    inner = jc.open_jaxpr(cond)
-    read = {a for e in inner.eqns for a in e.invars if not jc.is_literal(a)}
-    read |= {a for a in inner.outvars if not jc.is_literal(a)}
-    args = []
-    for var, atom in zip(inner.invars, atoms, strict=True):
-        if jc.is_literal(atom):
-            args.append(jc.literal_value(atom))
-        elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token
-            return False
-        else:  # a carry the condition does not read
-            args.append(np.zeros(var.aval.shape, var.aval.dtype))
-    with jax.ensure_compile_time_eval():  # concrete, also while a jit traces the program
-        (keep_going,) = jc.eval_jaxpr(cond, *args)
-        return not np.asarray(keep_going).any()
 
 
 def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:
@@ -587,7 +497,7 @@ class Graph:
         rec.operands = cconsts + bconsts + carries
         body = range(first, len(self.nodes))
         out = self._carry_origins(carries, states, orig["carry"], bouts, bout_origins, body)
-        if _false_at_once(layout, atoms["cond_consts"] + atoms["carry"]):
+        if false_at_once(layout, atoms["cond_consts"] + atoms["carry"]):
             out = self._unrun(carries, orig["carry"])
         return carries, rec, out
 

@@ -16,7 +16,8 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.graph import Graph, Node, is_f32
+from jmp_rewrite._src.equations import is_f32
+from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.origins import COMBINES
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
 

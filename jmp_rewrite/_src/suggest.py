@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src.eager import Stats
+from jmp_rewrite._src.equations import has_jaxpr_param
 from jmp_rewrite._src.facts import user_scope
-from jmp_rewrite._src.graph import Graph, has_jaxpr_param
+from jmp_rewrite._src.graph import Graph
 from jmp_rewrite._src.painting import Painting
 
 #: Suggestion targets: a list change, or a float32 region (when lists cannot help).
