@@ -104,7 +104,9 @@ __all__ += (
 # --- loss scaling (end) ---
 
 # --- compare (begin) ---
-from jmp_rewrite._src.compare import Comparison, Suggestion, compare  # noqa: E402
+from jmp_rewrite._src.compare import compare  # noqa: E402
+from jmp_rewrite._src.comparison import Comparison  # noqa: E402
+from jmp_rewrite._src.suggest import Suggestion  # noqa: E402
 
 __all__ += ("Comparison", "Suggestion", "compare")
 # --- compare (end) ---
