@@ -290,7 +290,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.literals_not_clamped",
-        "emit.py",
+        "clamping.py",
         "    return np.asarray(clamp(np.asarray(value), dtype), dtype=dtype)",
         "    return np.asarray(value, dtype=dtype)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
@@ -298,7 +298,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.clamp_array_infinities",
-        "emit.py",
+        "clamping.py",
         "            big = jnp.isfinite(value) & ((value < lo) | (value > hi))",
         "            big = (value < lo) | (value > hi)",
         T_DTYPES + "test_infinite_constants_stay_infinite",
@@ -306,7 +306,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.clamp_literal_infinities",
-        "emit.py",
+        "clamping.py",
         "    return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)",
         "    return np.clip(value, lo, hi).astype(value.dtype)",
         T_DTYPES + "test_infinite_constants_stay_infinite",
@@ -1186,7 +1186,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.saturate_zero_derivative",
-        "emit.py",
+        "clamping.py",
         "(_saturate(primals[0], lo, hi), tangents[0]))",
         "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",

@@ -19,7 +19,6 @@ separate programs.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import custom_rules, shapes
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src.clamping import clamp, literal
 from jmp_rewrite._src.custom_rules import cast
 from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
@@ -304,7 +304,7 @@ class Emitter:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
                 if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
-                    return _literal(val, dtype)
+                    return literal(val, dtype)
                 return val
             val = env[atom]
             if dtype is None or not is_float(atom.aval.dtype):
@@ -526,60 +526,6 @@ def _const(rec: EqnRec, i: int) -> bool:
 
 def _clamped(rec: EqnRec, i: int) -> bool:
     return bool(rec.clamped_operands) and rec.clamped_operands[i]
-
-
-def _fits(src: Any, dtype: Any) -> bool:
-    """Whether every finite value of dtype ``src`` lies in the range of float ``dtype``."""
-    src = np.dtype(src)
-    if src == np.bool_:
-        return True
-    info = jnp.iinfo(src) if jnp.issubdtype(src, jnp.integer) else jnp.finfo(src)
-    half = jnp.finfo(dtype)
-    return float(info.max) <= float(half.max) and float(info.min) >= float(half.min)
-
-
-def clamp(value: Any, dtype: Any) -> Any:
-    """A frozen value's finite values (a constant's, a mask bias's: see ``Origin.frozen``)
-    clamped to the range of the half ``dtype`` (infinities and NaN kept), in its own dtype.
-    A concrete constant (a captured array) is checked and clamped now, once, so nothing is
-    added to the program when it is in range; nor is anything for a dtype within the range
-    (a boolean, an int16)."""
-    if _fits(jnp.result_type(value), dtype):
-        return value
-    info = jnp.finfo(dtype)
-    lo, hi = float(info.min), float(info.max)
-    if isinstance(value, jax.core.Tracer):  # computed inside the program
-        if jnp.issubdtype(jnp.result_type(value), jnp.integer):  # clipped as an integer
-            d = jnp.result_type(value)
-            return lax.clamp(np.asarray(int(lo), d), value, np.asarray(int(hi), d))
-        return _saturate(value, lo, hi)
-    with jax.ensure_compile_time_eval():
-        if isinstance(value, jax.Array):
-            big = jnp.isfinite(value) & ((value < lo) | (value > hi))
-            if not bool(jnp.any(big)):
-                return value
-            return jnp.where(big, jnp.clip(value, lo, hi), value)
-    value = np.asarray(value)
-    return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _saturate(value: Any, lo: float, hi: float) -> Any:
-    return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
-
-
-# Why: a sentinel (``(1.0 - m) * -1e9``, see ``origins.sentinel_scaled``) may be
-# differentiated (a float mask's gradient); saturating changes where its value is read in
-# half, not its derivative, which stays float32's (a clip's would be zero where it clips).
-_saturate.defjvp(lambda lo, hi, primals, tangents: (_saturate(primals[0], lo, hi), tangents[0]))
-
-
-def _literal(value: Any, dtype: Any) -> Any:
-    """A float literal in ``dtype``, converted in place. A finite literal beyond the range of
-    ``dtype`` is clamped to its largest finite value rather than becoming infinite: such
-    constants are sentinels (``jnp.finfo(jnp.float32).min`` as an attention mask), and an
-    infinite mask turns a fully masked softmax row into NaN."""
-    return np.asarray(clamp(np.asarray(value), dtype), dtype=dtype)
 
 
 def _describe(atom: Any) -> str:
