@@ -10,7 +10,6 @@ painted half precision ("allow") and which pass decided that. No pass changes th
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.graph import Graph, Node
@@ -157,7 +156,7 @@ def paint(
     *,
     infer_follows_allow: bool = True,
     force_all: bool = False,
-    fp8: Any = None,
+    fp8: fp8_lib.Fp8Rules | None = None,
     fp8_check: bool = True,
     as_infer: frozenset[int] = frozenset(),
 ) -> Painting:
@@ -210,7 +209,9 @@ def deny_releases(graph: Graph, painting: Painting, options: dict) -> dict[int, 
     """Node id -> the deny-list keys whose move to *infer* alone would paint it half.
 
     Repaints the graph once per deny key present, its nodes of that key painted as infer
-    (``paint``'s ``as_infer``; nothing is traced again, the graph is not changed).
+    (``paint``'s ``as_infer``; nothing is traced again, the graph is not changed). A node of
+    that key the painting released (unlisted: a normalization statistic, a saturated power)
+    stays released: the what-if asks about the deny spread, not about those nodes.
     """
     if not painting.changed or options.get("force_all"):
         return {}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any
 
+from jmp_rewrite._src.fp8 import Fp8Selection
 from jmp_rewrite._src.graph import Node
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
@@ -40,7 +40,7 @@ class Painting:
     deny: set[int]
     painted_by: dict[int, str]
     changed: bool
-    fp8: Any = None
+    fp8: Fp8Selection | None = None
     kept: dict[int, str] = dataclasses.field(default_factory=dict)
     released: dict[int, str] = dataclasses.field(default_factory=dict)
     as_infer: frozenset[int] = frozenset()
