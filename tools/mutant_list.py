@@ -161,8 +161,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.state_updates_not_kept",
         "paint.py",
-        "            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):",
-        "            if False:",
+        "            if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):",
+        "            if True:",
         (
             T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
             T_INV + "test_item2_state_update_between_two_matmuls_is_float32",
@@ -1200,5 +1200,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "                o for o, b in zip(outs, bouts, strict=True) if False",
         T_R4 + "test_an_input_handed_on_by_an_untaken_branch_comes_back_exact",
         "[21.8] an input an untaken branch hands on is rounded when the other branch is half",
+    ),
+    # ---- stacked-state (issue 22): state with leading axes added ----------------------------
+    _m(
+        "origins.stacked_state_no_state",
+        "origins.py",
+        "    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state",
+        "    return False",
+        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        "a state update batched by vmap or stacked by a scan is rounded to half",
+    ),
+    _m(
+        "origins.size_one_broadcast_hands_no_state",
+        "origins.py",
+        "    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))",
+        "    return operand == out",
+        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        "vmap's sub(old[None], lr * g) is not linear in the unbatched state: rounded to half",
+    ),
+    _m(
+        "paint.stacked_state_any_broadcast",
+        "paint.py",
+        "            if inp.shape == aval.shape or _stepped(g, j, src):",
+        "            if True:",
+        T_LOOPS + "test_input_broadcast_onto_an_activation_is_no_state",
+        "a dense layer's bias broadcast onto a matmul output is kept float32 as a state",
     ),
 )

@@ -7,10 +7,12 @@ constant beyond the half range (``(1.0 - mask) * finfo(float32).min`` with a flo
 see :func:`sentinel_scaled`).
 
 A program input is a *state* when an output of its shape is computed from it linearly and
-combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step); a
-loop carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value,
-the input it copies, and the states it is linear in and updates; the painter keeps such
-chains float32 (``paint.keep_state_updates_float32``) and outputs that copy an input exact
+combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step), or
+of its shape with leading axes added (:func:`updates_state`: the update batched by
+``rewrite(vmap(f))`` or stacked by a scan, the state unbatched); a loop carry is one
+inside its body (:class:`LoopState`). :class:`Origin` records, per value, the input it
+copies, and the states it is linear in and updates; the painter keeps such chains float32
+(``paint.keep_state_updates_float32``) and outputs that copy an input exact
 (``paint.keep_output_copies_float32``).
 """
 
@@ -124,6 +126,19 @@ class LoopState:
         return bool(self.cycle) and self.root is not None and self.root != self.carry
 
 
+def updates_state(state: tuple[int, ...], output: tuple[int, ...]) -> bool:
+    """Whether an output of shape ``output`` that updates (see :attr:`Origin.updates`) an
+    input of shape ``state`` is a new value of that state: of its shape, or of its shape with
+    leading axes added, an array state broadcast or stacked along with its update
+    (``vmap(step)`` with the state unbatched: ``[D] -> [B, D]``; a scan's ``ys`` stacking
+    per-iteration updates: ``[D] -> [T, D]``). Each element is still the state's value
+    updated, and rounding it loses what rounding the state would. A scalar input is no
+    state of a larger output: a learning rate or a step size scales every element."""
+    if output == state:
+        return True
+    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state
+
+
 def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[int, frozenset[int]]:
     """The carries a loop's body updates from themselves, each with the states of its cycle.
 
@@ -202,7 +217,7 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         # per operand, the states it hands on (an operand of another shape: none)
         per = [
             o.derived
-            if _is_float(a.aval.dtype) and getattr(a.aval, "shape", None) == shape
+            if _is_float(a.aval.dtype) and _spans(getattr(a.aval, "shape", None), shape)
             else frozenset()
             for a, o in zip(eqn.invars, ins, strict=True)
         ]
@@ -217,6 +232,16 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
             # old + something else: every state of ``derived`` some operand lacks
             updates |= frozenset(j for j in derived if any(j not in d for d in per))
     return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=derived, updates=updates)
+
+
+def _spans(operand: tuple[int, ...] | None, out: tuple[int, ...] | None) -> bool:
+    """Whether an elementwise operand of shape ``operand`` covers a result of shape ``out``:
+    of its shape, or of its rank with axes of size one broadcast (``vmap`` of ``old - lr * g``
+    with ``old`` unbatched: ``sub(old[None], lr * g)``, ``[1, D]`` against ``[B, D]``). A
+    scalar (``lr * g``) is a factor, not a value the result is linear in."""
+    if operand is None or out is None or len(operand) != len(out):
+        return False
+    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))
 
 
 def loop_result_origins(
