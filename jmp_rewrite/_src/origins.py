@@ -139,6 +139,100 @@ def updates_state(state: tuple[int, ...], output: tuple[int, ...]) -> bool:
     return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state
 
 
+#: What a step size reaches an increment through, above it: casts, sign, data movement.
+_STEP_PASSES = frozenset(
+    {"convert_element_type", "neg", "copy", "copy_p", "broadcast_in_dim", "reshape"}
+    | {"squeeze", "expand_dims"}
+)
+
+
+def stepped(nodes: Any, state: int, root: int, rank: int) -> bool:
+    """Whether ``root`` (a node of the painting graph ``nodes``, linear in and updating
+    ``state``, of rank ``rank``) updates it by a *step*: scaled by a step size.
+
+    Asked of an output with leading axes over its state (see :func:`updates_state`), where a
+    bias broadcast onto activations is as linear as a batched step. A step size is a factor
+    constant over the state's axes (:func:`_step_factor`: a literal, a scalar, a value per
+    batch element), and it scales the update *at its top*, on the chain from the state to
+    ``root``, either
+
+    * the increment an addition adds to the chain (through :data:`_STEP_PASSES`), or a
+      factor of that product (``- lr * g``, ``- 0.01 * mu / (sqrt(nu) + eps)``,
+      ``(1 - m) * stat``, ``dt / 6 * (k1 + ...)``, ``(g - c) / 100``); or
+    * the chain itself (``m * old`` in an EMA or a momentum trace, AdamW's
+      ``- lr * (d + wd * p)``).
+
+    A bias is added to activations whose top factor spans its axes (batch norm's
+    ``(x - mean) * inv * scale + b``, layer norm's, ``x @ w + b``): no step. Not told apart
+    from a step: an output that is a bias plus activations scaled by such a factor
+    (``0.5 * x + b``, ``(x - mean) * rsqrt(var) + b`` with no scale, ``mean(x, 1) + b``),
+    kept float32 as a state though none (that add and scaling only; no accuracy is lost).
+    """
+    chain, todo = set(), [root]
+    while todo:  # the nodes linear in ``state`` on its way to ``root``
+        i = todo.pop()
+        n = nodes[i]
+        if i in chain or (i != root and state not in n.origin.derived):
+            continue
+        chain.add(i)
+        todo.extend(n.fanin)
+    for i in chain:
+        n = nodes[i]
+        name = n.eqn.primitive.name if n.eqn is not None else None
+        if name in ("mul", "div") and _step_factor(n, nodes, rank, skip=chain):
+            return True
+        if name in COMBINES or name in _SCATTER_COMBINES:
+            if any(_scaled(nodes, f, rank, set()) for f in n.fanin if f not in chain):
+                return True
+    return False
+
+
+def _scaled(nodes: Any, i: int, rank: int, seen: set[int]) -> bool:
+    """Whether node ``i`` is, through :data:`_STEP_PASSES`, a product or quotient by a step
+    size, or by such a product (``0.01 * mu / d``: the quotient of a scaled ``mu``)."""
+    n = nodes[i]
+    while n.eqn is not None and n.eqn.primitive.name in _STEP_PASSES and len(n.fanin) == 1:
+        n = nodes[n.fanin[0]]
+    if n.eqn is None or n.eqn.primitive.name not in ("mul", "div") or n.id in seen:
+        return False
+    seen.add(n.id)
+    return _step_factor(n, nodes, rank) or any(_scaled(nodes, f, rank, seen) for f in n.fanin)
+
+
+def _step_factor(
+    n: Any, nodes: Any, rank: int, skip: frozenset[int] | set[int] = frozenset()
+) -> bool:
+    """Whether product or quotient ``n`` (a divisor only, for a quotient) has a factor
+    constant over the trailing ``rank`` axes, a state's: a literal or scalar (``lr``), or,
+    batched, one value per leading index (``vmap`` over learning rates: ``[B, 1]``, or ``[B]``
+    broadcast). Nodes ``skip`` (the state's chain) are no factor."""
+    out = n.eqn.outvars[0].aval.shape
+    operands = n.eqn.invars[1:] if n.eqn.primitive.name == "div" else n.eqn.invars
+    if any(_constant_over(getattr(a.aval, "shape", None), out, rank) for a in operands):
+        return True
+    if n.eqn.primitive.name == "div":
+        return False
+    for f in n.fanin:  # an operand broadcast to the full shape first
+        b = nodes[f]
+        if f in skip or b.eqn is None or b.eqn.primitive.name != "broadcast_in_dim":
+            continue
+        shape, dims = b.eqn.invars[0].aval.shape, b.eqn.params["broadcast_dimensions"]
+        lead = len(b.eqn.outvars[0].aval.shape) - rank
+        if all(size == 1 for size, d in zip(shape, dims, strict=True) if d >= lead):
+            return True
+    return False
+
+
+def _constant_over(shape: tuple[int, ...] | None, out: tuple[int, ...], rank: int) -> bool:
+    """An elementwise operand of shape ``shape`` (broadcast to ``out`` by its size-1 axes)
+    takes one value along the trailing ``rank`` axes: a scalar, or ``[B, 1]``."""
+    if shape is None:
+        return False
+    if shape == ():
+        return True
+    return len(shape) == len(out) and all(size == 1 for size in shape[max(len(shape) - rank, 0) :])
+
+
 def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[int, frozenset[int]]:
     """The carries a loop's body updates from themselves, each with the states of its cycle.
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.graph import Graph, Node, is_f32
-from jmp_rewrite._src.origins import COMBINES, updates_state
+from jmp_rewrite._src.origins import COMBINES, stepped, updates_state
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
 
@@ -187,26 +187,6 @@ def _products(n: Node) -> int:
     return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))
 
 
-def _stepped(g: Graph, state: int, root: int) -> bool:
-    """Whether what is added to ``state`` on its way to ``root`` is scaled by a step size
-    (a literal or scalar factor: ``- lr * g``, ``(1 - m) * stat``, ``dt / 6 * (...)``).
-
-    Asked of an output with leading axes over its state only (``origins.updates_state``):
-    there a bias broadcast onto an activation (``x @ w + b``, ``b`` of shape ``[D]``, the
-    output ``[B, D]``) is as linear as a batched SGD step, and no state."""
-    chain = set(_walk_up(g, [root], lambda v: state in v.origin.derived and v.eqn is not None))
-    starts = [f for i in chain for f in g.nodes[i].fanin if f not in chain]
-    tail = _dfs(starts, _fanin, g.nodes, lambda v, r: v.eqn is not None and v.key in _TAIL_KEYS)
-    return any(
-        g.nodes[i].key in ("mul", "div") and _products(g.nodes[i]) < len(g.nodes[i].eqn.invars)
-        for i in tail
-    )
-
-
-#: What an increment is computed through down to its step size (``lr * mu / sqrt(nu)``).
-_TAIL_KEYS = _INCREMENT_KEYS | {"broadcast_in_dim", "reshape", "sqrt", "rsqrt", "max", "min"}
-
-
 def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     """State is updated in float32: across steps (program outputs) and across iterations.
 
@@ -214,8 +194,9 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     batch norm's running statistics are on no list), and its functional ``While`` (on no
     float16 list) crosses its loop boundary in float32. Two kinds of state:
 
-    * an output computed from the input of its shape (or of it with leading axes added:
-      ``origins.updates_state``) linearly, combined with something else
+    * an output computed from the input of its shape (or of it with leading axes added,
+      ``origins.updates_state``, when a step size scales the update, ``origins.stepped``)
+      linearly, combined with something else
       (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
       be re-rounded to half every step and drift. An output reached from the input through a
       nonlinear function (``tanh(x @ w) + sigmoid(y)``) is no state update: TF's colours;
@@ -238,7 +219,7 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             inp = g.input_avals[j] if j < len(g.input_avals) else None
             if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):
                 continue
-            if inp.shape == aval.shape or _stepped(g, j, src):
+            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
         _keep_state_chain(g, p, frozenset({j}), roots, frozenset())
