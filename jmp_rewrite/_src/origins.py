@@ -179,58 +179,59 @@ def stepped(nodes: Any, state: int, root: int, rank: int) -> bool:
     for i in chain:
         n = nodes[i]
         name = n.eqn.primitive.name if n.eqn is not None else None
-        if name in ("mul", "div") and _step_factor(n, nodes, rank, skip=chain):
+        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):
             return True
         if name in COMBINES or name in _SCATTER_COMBINES:
-            if any(_scaled(nodes, f, rank, set()) for f in n.fanin if f not in chain):
+            if any(_scaled(nodes, f, rank) for f in n.fanin if f not in chain):
                 return True
     return False
 
 
-def _scaled(nodes: Any, i: int, rank: int, seen: set[int]) -> bool:
+def _scaled(nodes: Any, i: int, rank: int, top: bool = True) -> bool:
     """Whether node ``i`` is, through :data:`_STEP_PASSES`, a product or quotient by a step
-    size, or by such a product (``0.01 * mu / d``: the quotient of a scaled ``mu``)."""
+    size (:func:`_step_factor`), or ``top``, one by a product by a scalar (``0.01 * mu / d``:
+    a quotient of a scaled ``mu``). Below the top, a value per row is no step size: layer
+    norm's ``(x - mean) * (rsqrt(var) * scale)`` is a product by a per-row factor too."""
     n = nodes[i]
     while n.eqn is not None and n.eqn.primitive.name in _STEP_PASSES and len(n.fanin) == 1:
         n = nodes[n.fanin[0]]
-    if n.eqn is None or n.eqn.primitive.name not in ("mul", "div") or n.id in seen:
+    if n.eqn is None or n.eqn.primitive.name not in ("mul", "div"):
         return False
-    seen.add(n.id)
-    return _step_factor(n, nodes, rank) or any(_scaled(nodes, f, rank, seen) for f in n.fanin)
+    if _step_factor(n, nodes, rank, per_row=top):
+        return True
+    return top and any(_scaled(nodes, f, rank, top=False) for f in n.fanin)
 
 
 def _step_factor(
-    n: Any, nodes: Any, rank: int, skip: frozenset[int] | set[int] = frozenset()
+    n: Any, nodes: Any, rank: int, skip: frozenset[int] | set[int] = frozenset(), per_row=True
 ) -> bool:
-    """Whether product or quotient ``n`` (a divisor only, for a quotient) has a factor
-    constant over the trailing ``rank`` axes, a state's: a literal or scalar (``lr``), or,
-    batched, one value per leading index (``vmap`` over learning rates: ``[B, 1]``, or ``[B]``
-    broadcast). Nodes ``skip`` (the state's chain) are no factor."""
+    """Whether product or quotient ``n`` (a divisor only, for a quotient) has a step size for
+    a factor: a literal or scalar (``lr``), or, ``per_row``, a value constant over the
+    trailing ``rank`` axes (a state's): one per leading index (``vmap`` over learning rates:
+    ``[B, 1]``, or ``[B]`` broadcast). Nodes ``skip`` (the state's chain) are no factor."""
     out = n.eqn.outvars[0].aval.shape
-    operands = n.eqn.invars[1:] if n.eqn.primitive.name == "div" else n.eqn.invars
-    if any(_constant_over(getattr(a.aval, "shape", None), out, rank) for a in operands):
-        return True
-    if n.eqn.primitive.name == "div":
-        return False
-    for f in n.fanin:  # an operand broadcast to the full shape first
+    div = n.eqn.primitive.name == "div"
+    for a in n.eqn.invars[1:] if div else n.eqn.invars:
+        shape = getattr(a.aval, "shape", None)
+        if shape == () or (per_row and _constant_over(shape, out, rank)):
+            return True
+    for f in () if div else n.fanin:  # an operand broadcast to the full shape first
         b = nodes[f]
         if f in skip or b.eqn is None or b.eqn.primitive.name != "broadcast_in_dim":
             continue
         shape, dims = b.eqn.invars[0].aval.shape, b.eqn.params["broadcast_dimensions"]
         lead = len(b.eqn.outvars[0].aval.shape) - rank
-        if all(size == 1 for size, d in zip(shape, dims, strict=True) if d >= lead):
+        if shape == () or (per_row and all(k == 1 for k, d in zip(shape, dims) if d >= lead)):
             return True
     return False
 
 
 def _constant_over(shape: tuple[int, ...] | None, out: tuple[int, ...], rank: int) -> bool:
-    """An elementwise operand of shape ``shape`` (broadcast to ``out`` by its size-1 axes)
-    takes one value along the trailing ``rank`` axes: a scalar, or ``[B, 1]``."""
-    if shape is None:
+    """Whether an elementwise operand of shape ``shape`` (broadcast to ``out`` by its size-1
+    axes) takes one value along the trailing ``rank`` axes: ``[B, 1]`` against ``[B, D]``."""
+    if shape is None or len(shape) != len(out):
         return False
-    if shape == ():
-        return True
-    return len(shape) == len(out) and all(size == 1 for size in shape[max(len(shape) - rank, 0) :])
+    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])
 
 
 def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[int, frozenset[int]]:
