@@ -1201,13 +1201,16 @@ MUTANTS: tuple[Mutant, ...] = (
         T_R4 + "test_an_input_handed_on_by_an_untaken_branch_comes_back_exact",
         "[21.8] an input an untaken branch hands on is rounded when the other branch is half",
     ),
-    # ---- stacked-state (issue 22): state with leading axes added ----------------------------
+    # -- state2 (issue 22): state with leading axes added, told from a bias by its step size
     _m(
         "origins.stacked_state_no_state",
         "origins.py",
         "    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state",
         "    return False",
-        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        (
+            "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
+            "tests/test_oracle.py::test_counterexample",
+        ),
         "a state update batched by vmap or stacked by a scan is rounded to half",
     ),
     _m(
@@ -1215,15 +1218,43 @@ MUTANTS: tuple[Mutant, ...] = (
         "origins.py",
         "    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))",
         "    return operand == out",
-        T_LOOPS + "test_state_update_with_leading_axes_added_is_float32",
+        "tests/test_state_leading_axes.py::test_a_step_size_per_batch_element_is_a_step_size",
         "vmap's sub(old[None], lr * g) is not linear in the unbatched state: rounded to half",
     ),
     _m(
         "paint.stacked_state_any_broadcast",
         "paint.py",
-        "            if inp.shape == aval.shape or _stepped(g, j, src):",
+        "            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):",
         "            if True:",
-        T_LOOPS + "test_input_broadcast_onto_an_activation_is_no_state",
+        "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
         "a dense layer's bias broadcast onto a matmul output is kept float32 as a state",
+    ),
+    _m(
+        "origins.step_size_per_row_below_the_top",
+        "origins.py",
+        "    if _step_factor(n, nodes, rank, per_row=top):",
+        "    if _step_factor(n, nodes, rank):",
+        "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
+        "layer norm's offset is a state: (x - mean) * (rsqrt(var) * scale) has a per-row factor",
+    ),
+    _m(
+        "origins.step_factor_spans_the_state",
+        "origins.py",
+        "    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])",
+        "    return all(size == 1 for size in shape[:1])",
+        (
+            "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
+            "tests/test_memory_parity.py::"
+            "test_float16_normalization_statistics_float32_activations_half",
+        ),
+        "batch norm's offset is a state: its [1, 1, 1, C] scale taken for a step size",
+    ),
+    _m(
+        "origins.decayed_state_no_step",
+        "origins.py",
+        '        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):',
+        "        if False:",
+        "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
+        "a batched heavy-ball buffer m * buf + g (the state scaled, no step) is rounded to half",
     ),
 )
