@@ -9,10 +9,11 @@ see :func:`sentinel_scaled`).
 A program input is a *state* when an output of its shape is computed from it linearly and
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step), or
 of its shape with leading axes added (:func:`updates_state`: the update batched by
-``rewrite(vmap(f))`` or stacked by a scan, the state unbatched); a loop carry is one
-inside its body (:class:`LoopState`). :class:`Origin` records, per value, the input it
-copies, and the states it is linear in and updates; the painter keeps such chains float32
-(``paint.keep_state_updates_float32``) and outputs that copy an input exact
+``rewrite(vmap(f))`` or stacked by a scan, the state unbatched) when a step size scales
+the update at its top (:func:`stepped`: a bias broadcast onto activations is none); a loop
+carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value, the
+input it copies, and the states it is linear in and updates; the painter keeps such chains
+float32 (``paint.keep_state_updates_float32``) and outputs that copy an input exact
 (``paint.keep_output_copies_float32``).
 """
 
@@ -159,8 +160,8 @@ def stepped(nodes: Any, state: int, root: int, rank: int) -> bool:
     * the increment an addition adds to the chain (through :data:`_STEP_PASSES`), or a
       factor of that product (``- lr * g``, ``- 0.01 * mu / (sqrt(nu) + eps)``,
       ``(1 - m) * stat``, ``dt / 6 * (k1 + ...)``, ``(g - c) / 100``); or
-    * the chain itself (``m * old`` in an EMA or a momentum trace, AdamW's
-      ``- lr * (d + wd * p)``).
+    * the chain itself, by a literal or scalar (``m * old`` in an EMA or a momentum
+      buffer, AdamW's ``- lr * (d + wd * p)``).
 
     A bias is added to activations whose top factor spans its axes (batch norm's
     ``(x - mean) * inv * scale + b``, layer norm's, ``x @ w + b``): no step. Not told apart
