@@ -48,12 +48,11 @@ finding below (0.44u-0.65u, reference 1e-5u-0.1u): rounding a state once costs a
 so ``STATE_SLACK = 0.25`` sees a single rounding. A lost round of loop updates or a sum
 accumulated in half costs many u, far past both bounds.
 
-Round 4's bugs (issue 21 items 1, 2, 3 and 8) were found by this generator before their
-fixes; their shrunk counterexamples are regression tests below. A bug it finds before its
-fix goes into :data:`KNOWN_BUGS`, with its counterexample marked ``xfail(strict=True)``.
-In CI (profile ``ci``) the test
-runs ``EXAMPLES`` (16) derandomized programs per dtype, unshrunk (about 2 s of CPU each:
-62 s of CPU for the 32, jax 0.10.2);
+Round 4's bugs (issue 21 items 1, 2, 3 and 8, and issue 22's leading-axes state) were found
+by this generator before their fixes; their shrunk counterexamples are regression tests
+below. A bug it finds before its fix goes into :data:`KNOWN_BUGS`. In CI (profile ``ci``)
+the test runs ``EXAMPLES`` (16) derandomized programs per dtype, unshrunk (about 2 s of CPU
+each: 62 s of CPU for the 32, jax 0.10.2);
 ``HYPOTHESIS_PROFILE=long`` runs 200 per dtype, new ones each run, shrinking a failure.
 """
 
@@ -207,28 +206,15 @@ def check(program: Program, dtype: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Known bugs of this code (issue 21, round 4), fixed on other branches
+# Known bugs: none today
 # ------------------------------------------------------------------------------------------
 
-
-def _state_with_a_leading_axis(program: Program, name: str, problem: str) -> bool:
-    """A state update whose output gains a leading axis over its input: batched by
-    ``rewrite(vmap(f))``, or stacked by the scan a block runs in."""
-    if not (name.startswith("state") and "off float64" in problem):
-        return False
-    i = int(name[len("state") :].split("_")[0])
-    return program.transform == "vmap_inner" or "scan2" in program.blocks[i].wrappers
-
-
-#: The round-4 bugs this branch still has (issue 21; fixed on other branches): a problem one
-#: of these explains does not fail the generated-program test (each has an xfail regression
-#: test below). Delete an entry once its fix has merged; the test then fails on it again.
-KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
-    "issue 22 (found here): a state update batched (rewrite(vmap(f))) or stacked (a scan) "
-    "from an unbatched state is not of its input's shape, so no state: rounded in bfloat16": (
-        _state_with_a_leading_axis
-    ),
-}
+#: Bugs the generator finds that are not fixed yet: a predicate ``(program, output name,
+#: problem) -> bool`` per bug, named by its issue. A problem one of these explains does not
+#: fail the generated-program test; each entry needs a shrunk counterexample below marked
+#: ``xfail(strict=True)``. Delete the entry and the mark when the fix merges. Round 4's five
+#: (issue 21 items 1, 2, 3 and 8, and the leading-axes state of issue 22) are fixed.
+KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {}
 
 
 def unexplained(program: Program, problems: dict[str, str]) -> dict[str, str]:
@@ -276,7 +262,7 @@ def test_generated_programs_against_the_oracle(dtype, data):
 
 
 COUNTEREXAMPLES = [
-    # NaN rows: a padded mask (an input) times finfo(float32).min, cast into a half add
+    # NaN rows: a padded mask (an input) times finfo(float32).min, cast into a half add (item 1)
     pytest.param(Program((Attention("finfo_mul"),)), F16, id="item1-finfo-f16"),
     pytest.param(Program((Attention("finfo_mul"),)), BF16, id="item1-finfo-bf16"),
     pytest.param(Program((Attention("neg1e9_mul"),)), F16, id="item1-1e9-f16"),
@@ -293,7 +279,8 @@ COUNTEREXAMPLES = [
         BF16,
         id="item2-fori0-state-bf16",
     ),
-    # grad(rewrite(f)) through a custom_vjp whose body captures a constant (the mask) raises
+    # grad(rewrite(f)) through a custom_vjp whose body captures a constant (the mask) raised
+    # (item 3)
     pytest.param(
         Program(
             (Attention("full_where", mask_input=False, wrappers=("custom_vjp",)),),
@@ -312,14 +299,19 @@ COUNTEREXAMPLES = [
         BF16,
         id="item8-cond-not-taken-state-bf16",
     ),
-    # found by the generator, not fixed yet: rewrite(vmap(sgd step)) with the state unbatched
-    # (shape [D] in, [2, D] out: no state by the shape rule): the step is rounded in bfloat16,
-    # 0.46u off float64 where the reference is 0.002u
+    # found by the generator (issue 22): rewrite(vmap(sgd step)) with the state unbatched
+    # (shape [D] in, [2, D] out) was no state by the shape rule: the step was rounded in
+    # bfloat16, 0.46u off float64 where the reference is 0.002u (origins.updates_state; a
+    # step size must scale the update at its top, origins.stepped, so that a bias is none)
     pytest.param(
         Program((State("sgd", "step"),), transform="vmap_inner"),
         BF16,
         id="vmapped-state-bf16",
-        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
+    ),
+    pytest.param(  # float16 (here and below) passed before the fix too
+        Program((State("sgd", "step"),), transform="vmap_inner"),
+        F16,
+        id="vmapped-state-f16",
     ),
     # the same, the update stacked by a two-step scan around it (Adam: 0.44u off, reference
     # 1e-5u)
@@ -327,7 +319,11 @@ COUNTEREXAMPLES = [
         Program((State("adam", "step", wrappers=("scan2",)),)),
         BF16,
         id="stacked-state-bf16",
-        marks=pytest.mark.xfail(strict=True, reason="issue 22 finding: open"),
+    ),
+    pytest.param(
+        Program((State("adam", "step", wrappers=("scan2",)),)),
+        F16,
+        id="stacked-state-f16",
     ),
 ]
 

@@ -161,8 +161,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.state_updates_not_kept",
         "paint_additions.py",
-        "            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):",
-        "            if False:",
+        "            if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):",
+        "            if True:",
         (
             T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
             T_INV + "test_item2_state_update_between_two_matmuls_is_float32",
@@ -1200,5 +1200,61 @@ MUTANTS: tuple[Mutant, ...] = (
         "                o for o, b in zip(outs, bouts, strict=True) if False",
         T_R4 + "test_an_input_handed_on_by_an_untaken_branch_comes_back_exact",
         "[21.8] an input an untaken branch hands on is rounded when the other branch is half",
+    ),
+    # -- state2 (issue 22): state with leading axes added, told from a bias by its step size
+    _m(
+        "origins.stacked_state_no_state",
+        "origins.py",
+        "    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state",
+        "    return False",
+        (
+            "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
+            "tests/test_oracle.py::test_counterexample",
+        ),
+        "a state update batched by vmap or stacked by a scan is rounded to half",
+    ),
+    _m(
+        "origins.size_one_broadcast_hands_no_state",
+        "origins.py",
+        "    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))",
+        "    return operand == out",
+        "tests/test_state_leading_axes.py::test_a_step_size_per_batch_element_is_a_step_size",
+        "vmap's sub(old[None], lr * g) is not linear in the unbatched state: rounded to half",
+    ),
+    _m(
+        "paint.stacked_state_any_broadcast",
+        "paint_additions.py",
+        "            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):",
+        "            if True:",
+        "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
+        "a dense layer's bias broadcast onto a matmul output is kept float32 as a state",
+    ),
+    _m(
+        "origins.step_size_per_row_below_the_top",
+        "origins.py",
+        "    if _step_factor(n, nodes, rank, per_row=top):",
+        "    if _step_factor(n, nodes, rank):",
+        "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
+        "layer norm's offset is a state: (x - mean) * (rsqrt(var) * scale) has a per-row factor",
+    ),
+    _m(
+        "origins.step_factor_spans_the_state",
+        "origins.py",
+        "    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])",
+        "    return all(size == 1 for size in shape[:1])",
+        (
+            "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
+            "tests/test_memory_parity.py::"
+            "test_float16_normalization_statistics_float32_activations_half",
+        ),
+        "batch norm's offset is a state: its [1, 1, 1, C] scale taken for a step size",
+    ),
+    _m(
+        "origins.decayed_state_no_step",
+        "origins.py",
+        '        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):',
+        "        if False:",
+        "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
+        "a batched heavy-ball buffer m * buf + g (the state scaled, no step) is rounded to half",
     ),
 )

@@ -18,7 +18,7 @@ from jax import lax
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.equations import is_f32
 from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.origins import COMBINES
+from jmp_rewrite._src.origins import COMBINES, stepped, updates_state
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
 
 
@@ -139,7 +139,9 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     batch norm's running statistics are on no list), and its functional ``While`` (on no
     float16 list) crosses its loop boundary in float32. Two kinds of state:
 
-    * an output computed from the input of its shape linearly, combined with something else
+    * an output computed from the input of its shape (or of it with leading axes added,
+      ``origins.updates_state``, when a step size scales the update, ``origins.stepped``)
+      linearly, combined with something else
       (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
       be re-rounded to half every step and drift. An output reached from the input through a
       nonlinear function (``tanh(x @ w) + sigmoid(y)``) is no state update: TF's colours;
@@ -160,7 +162,9 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             continue
         for j in g.nodes[src].origin.updates:
             inp = g.input_avals[j] if j < len(g.input_avals) else None
-            if inp is not None and inp.shape == aval.shape and is_f32(inp.dtype):
+            if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):
+                continue
+            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
         _keep_state_chain(g, p, frozenset({j}), roots, frozenset())
