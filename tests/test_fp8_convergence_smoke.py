@@ -131,9 +131,10 @@ def test_bayes_loss_is_the_chain_entropy_once_the_topic_is_known():
     entropy = -np.sum(one.probs * np.log(one.probs))
     toks = np.concatenate([one.batch(i, 64, 32) for i in range(4)])
     assert one.bayes_loss(toks) == pytest.approx(entropy, rel=0.03)
+    assert one.bigram_loss(toks) == pytest.approx(one.bayes_loss(toks))  # nothing to infer
     many = fp8_convergence.TopicLanguage(64, topics=8, fan=4, seed=1)
     toks = np.concatenate([many.batch(i, 64, 32) for i in range(4)])
-    assert entropy < many.bayes_loss(toks) < np.log(8 * 4)
+    assert entropy < many.bayes_loss(toks) < many.bigram_loss(toks) < np.log(8 * 4)
 
 
 def test_milestones_and_smoothing_arithmetic():
