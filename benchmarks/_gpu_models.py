@@ -18,6 +18,7 @@ donating train step consumes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -31,8 +32,9 @@ import optax
 from jax import lax
 
 Tree = Any
-#: ``make_loss(dtype)`` -> ``loss(params, state, inputs, labels) -> (loss, new_state)``.
-LossFactory = Callable[[Any], Callable[..., tuple[jax.Array, Tree]]]
+#: ``make_loss(dtype)`` -> ``loss(params, state, inputs, labels) -> (loss, new_state)``
+#: (``make_loss(dtype, dot=...)`` for a model with ``fp8_dot``).
+LossFactory = Callable[..., Callable[..., tuple[jax.Array, Tree]]]
 
 
 @dataclasses.dataclass
@@ -50,6 +52,8 @@ class Model:
       labels: integer labels of that batch (NumPy).
       learning_rate: Adam's learning rate.
       config: the sizes, for the JSON report.
+      fp8_dot: ``make_loss(dtype, dot=...)`` runs the weight GEMMs a float8 rewrite picks
+        (``Fp8Rules()``'s default) through ``dot(x, w)`` (a hand-written float8 baseline).
     """
 
     key: str
@@ -61,6 +65,7 @@ class Model:
     labels: np.ndarray
     learning_rate: float
     config: dict[str, Any]
+    fp8_dot: bool = False
 
     @property
     def n_params(self) -> int:
@@ -81,9 +86,13 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _dense(x: jax.Array, p: dict[str, jax.Array], dtype: Any) -> jax.Array:
-    """``flax.linen.Dense``: inputs, kernel and bias promoted to ``dtype``."""
-    return _cast(x, dtype) @ _cast(p["w"], dtype) + _cast(p["b"], dtype)
+def _dense(
+    x: jax.Array, p: dict[str, jax.Array], dtype: Any, name: str = "", dot: Any = None
+) -> jax.Array:
+    """``flax.linen.Dense``: inputs, kernel and bias promoted to ``dtype``; ``name``: its
+    scope (a Flax module's name); ``dot``: the matmul (``jnp.matmul`` by default)."""
+    with jax.named_scope(name) if name else contextlib.nullcontext():
+        return (dot or jnp.matmul)(_cast(x, dtype), _cast(p["w"], dtype)) + _cast(p["b"], dtype)
 
 
 def _norm(x: jax.Array, mean: jax.Array, var: jax.Array, p: dict[str, jax.Array], eps: float):
@@ -135,27 +144,43 @@ def init_gpt(seed: int, *, layers: int, d_model: int, seq: int, vocab: int) -> d
     }
 
 
-def gpt_logits(params: Tree, tokens: jax.Array, *, heads: int, dtype: Any = None) -> jax.Array:
-    """Pre-LN causal decoder with learned positions and a head tied to the embedding."""
+def gpt_logits(
+    params: Tree, tokens: jax.Array, *, heads: int, dtype: Any = None, dot: Any = None
+) -> jax.Array:
+    """Pre-LN causal decoder with learned positions and a head tied to the embedding.
+
+    ``dot(x, w)``, when given, runs the blocks' weight GEMMs but the first (block 0's QKV):
+    those ``rewrite(..., fp8=True)`` runs in float8 (the head and attention's activation
+    products stay ``x @ y``).
+    """
     b, t = tokens.shape
     wte = _cast(params["wte"], dtype)  # flax Embed casts its table to dtype
     x = wte[tokens] + _cast(params["wpe"][:t], dtype)
     d = x.shape[-1]
     dh = d // heads
     causal = jnp.tril(jnp.ones((t, t), bool))
-    for blk in params["blocks"]:
-        h = layer_norm(x, blk["ln1"], dtype)
-        qkv = _dense(h, blk["qkv"], dtype).reshape(b, t, 3, heads, dh)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("bthd,bshd->bhts", q, k) * float(dh**-0.5)  # weak: keeps dtype
-        logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
-        attn = jax.nn.softmax(logits, axis=-1)  # in dtype, as flax's dot_product_attention
-        o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
-        x = x + _dense(o, blk["proj"], dtype)
-        h = layer_norm(x, blk["ln2"], dtype)
-        x = x + _dense(jax.nn.gelu(_dense(h, blk["fc"], dtype)), blk["fc_proj"], dtype)
+    # Named scopes as a Flax model's module paths (h_0/attn/qkv, h_0/mlp/fc, head): what explain
+    # shows and Fp8Rules patterns match; they change no computation.
+    for i, blk in enumerate(params["blocks"]):
+        with jax.named_scope(f"h_{i}"):
+            with jax.named_scope("attn"):
+                h = layer_norm(x, blk["ln1"], dtype)
+                qkv = _dense(h, blk["qkv"], dtype, "qkv", dot if i else None).reshape(
+                    b, t, 3, heads, dh
+                )
+                q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+                logits = jnp.einsum("bthd,bshd->bhts", q, k) * float(dh**-0.5)  # weak dtype
+                logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+                attn = jax.nn.softmax(logits, axis=-1)  # in dtype, as flax's attention
+                o = jnp.einsum("bhts,bshd->bthd", attn, v).reshape(b, t, d)
+                x = x + _dense(o, blk["proj"], dtype, "proj", dot)
+            with jax.named_scope("mlp"):
+                h = layer_norm(x, blk["ln2"], dtype)
+                h = jax.nn.gelu(_dense(h, blk["fc"], dtype, "fc", dot))
+                x = x + _dense(h, blk["fc_proj"], dtype, "fc_proj", dot)
     x = layer_norm(x, params["ln_f"], dtype)
-    return x @ wte.T  # flax Embed.attend
+    with jax.named_scope("head"):
+        return x @ wte.T  # flax Embed.attend
 
 
 def gpt_model(
@@ -173,9 +198,10 @@ def gpt_model(
     rng = np.random.default_rng(seed + 1)
     tokens = rng.integers(0, vocab, (batch, seq + 1), dtype=np.int32)
 
-    def make_loss(dtype: Any) -> Callable[..., Any]:
+    def make_loss(dtype: Any, dot: Any = None) -> Callable[..., Any]:
         def loss(params, state, inputs, labels):
-            return _xent(gpt_logits(params, inputs, heads=heads, dtype=dtype), labels), state
+            logits = gpt_logits(params, inputs, heads=heads, dtype=dtype, dot=dot)
+            return _xent(logits, labels), state
 
         return loss
 
@@ -190,6 +216,7 @@ def gpt_model(
         tokens[:, 1:],
         3e-4,
         config,
+        fp8_dot=True,
     )
 
 

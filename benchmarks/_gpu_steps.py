@@ -33,7 +33,8 @@ class Variant:
     precision: str | None = None  # jax.default_matmul_precision while tracing
     cuda_lists: bool = False  # bf16 with TF's CUDA (float16) lists instead of oneDNN's
     flax_dynamic_scale: bool = False  # flax.training.dynamic_scale.DynamicScale + jnp.where
-    fp8: bool = False  # rewrite(..., fp8=True): the blocks' weight GEMMs in float8
+    fp8: Any = False  # rewrite(..., fp8=True or Fp8Rules): weight GEMMs in float8
+    qwix_fp8: bool = False  # hand-written: the same weight GEMMs through qwix's float8 dot
 
     @property
     def tf32(self) -> bool | None:
@@ -60,6 +61,8 @@ VARIANTS = {
         Variant("hand-f16-dynscale", hand_dtype=jnp.float16, flax_dynamic_scale=True),
         # Issue 23: float8 weight GEMMs (cuBLASLt float8 on Hopper; emulated elsewhere).
         Variant("rw-fp8", rewrite_dtype=jnp.bfloat16, fp8=True),
+        # Its hand-written baseline: hand-bf16 with the GEMMs rw-fp8 picks run by qwix.
+        Variant("hw-fp8-qwix", hand_dtype=jnp.bfloat16, qwix_fp8=True),
     )
 }
 #: What runs without ``--variants`` (``f32-tf32`` only with ``--tf32``).
@@ -74,9 +77,56 @@ DEFAULT_VARIANTS = (
 )
 
 
+class Unavailable(Exception):
+    """A variant that cannot be built here (a missing package, an unsupported model); its
+    message is the reason, recorded as ``skipped: <reason>``."""
+
+
+def qwix_fp8_dot() -> Any:
+    """``dot(x, w)``: qwix's quantized-training matmul, configured as ``rw-fp8``'s float8.
+
+    ``qwix.QtProvider`` (with ``QtRule(weight_qtype=float8_e4m3fn, act_qtype=float8_e4m3fn,
+    bwd_qtype=float8_e5m2)``) runs ``qwix._src.core.dot_general_qt.dot_general_qt`` for a
+    Flax Linen/NNX module's matmuls; it finds its rule through the module being called, so
+    the plain-JAX GPT here calls that function itself, with the config the provider builds
+    for such a rule: operands e4m3 with current absmax scales (per tensor:
+    ``disable_channelwise_axes``, as the cuBLASLt float8 GEMM needs and as ``rw-fp8``
+    does), the incoming gradient e5m2 in both backward GEMMs, the forward's quantized
+    operands reused there. Raises :class:`Unavailable` where qwix is not installed.
+    """
+    try:
+        from qwix._src.core import dot_general_qt as qt
+    except ImportError as err:
+        raise Unavailable("qwix not installed") from err
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    config = qt.DotGeneralQtConfig(
+        lhs_qtype=e4m3,
+        rhs_qtype=e4m3,
+        lhs_disable_channelwise_axes=True,
+        rhs_disable_channelwise_axes=True,
+        dlhs_grad_qtype=e5m2,
+        drhs_grad_qtype=e5m2,
+        dlhs_grad_disable_channelwise_axes=True,
+        drhs_grad_disable_channelwise_axes=True,
+    )
+
+    def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+        return qt.dot_general_qt(x, w, (((x.ndim - 1,), (0,)), ((), ())), config)
+
+    return dot
+
+
 def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
-    """``(tx, step)`` with ``step(params, state, opt_state, inputs, labels)``."""
-    loss_fn = model.make_loss(variant.hand_dtype)
+    """``(tx, step)`` with ``step(params, state, opt_state, inputs, labels)``.
+
+    Raises :class:`Unavailable` for a variant that cannot be built here.
+    """
+    if variant.qwix_fp8:
+        if not model.fp8_dot:
+            raise Unavailable(f"{variant.key} is written for the GPT only, not {model.key}")
+        loss_fn = model.make_loss(variant.hand_dtype, dot=qwix_fp8_dot())
+    else:
+        loss_fn = model.make_loss(variant.hand_dtype)
     if variant.flax_dynamic_scale:
         return _flax_dynamic_scale_step(model, loss_fn)
     if variant.loss_scale:

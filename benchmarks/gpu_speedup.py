@@ -33,7 +33,10 @@ Variants (in this order of priority: with a short budget the later passes are sk
 * ``f32-tf32`` (``--tf32``): float32 with ``default_matmul_precision('tensorfloat32')``;
 * only when named with ``--variants``: ``rw-fp8`` (``rewrite(dtype=bfloat16, fp8=True)``:
   the blocks' weight GEMMs in float8, ``float8_matmuls`` and ``float8_flops_share`` count
-  them), ``rw-f16`` (``rewrite(dtype=float16)``, no loss
+  them), ``hw-fp8-qwix`` (its hand-written baseline, GPT only: ``hand-bf16`` with the same
+  weight GEMMs through qwix's quantized-training dot, e4m3 forward, e5m2 gradients, per-tensor
+  current scaling; ``skipped: qwix not installed`` where qwix is missing -- it is not a
+  dependency; see ``_gpu_steps.qwix_fp8_dot``), ``rw-f16`` (``rewrite(dtype=float16)``, no loss
   scaling), ``hand-f16`` (Flax's ``dtype=jnp.float16``) and ``hand-f16-dynscale`` (that model
   with ``flax.training.dynamic_scale.DynamicScale`` and ``jnp.where`` on the new parameters
   and optimizer state, as Flax's ImageNet example trains in float16).
@@ -79,6 +82,7 @@ from _gpu_steps import (  # noqa: E402
     DEFAULT_VARIANTS,
     DONATE,
     VARIANTS,
+    Unavailable,
     Variant,
     abstract_args,
     make_step,
@@ -114,7 +118,7 @@ SMOKE_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_exp
 PASSES = (
     ("f32", "rw-bf16", "hand-bf16"),
     ("rw-f16-lso",),
-    ("rw-fp8",),
+    ("rw-fp8", "hw-fp8-qwix"),
     ("rw-bf16-cuda-lists",),
     ("rw-f16-lso-select",),
     ("f32-tf32",),
@@ -413,7 +417,8 @@ def print_table(result: dict[str, Any]) -> None:
                 )
                 continue
             if r.get("status") != "ok":
-                print(f"| {m['key']} | {key} | {r.get('status')}: {r.get('error', '')[:60]} |")
+                error = f": {r['error'][:60]}" if r.get("error") else ""
+                print(f"| {m['key']} | {key} | {r.get('status')}{error} |")
                 continue
             s = summ.get(key, {})
             d = s.get("last_loss_rel_diff_vs_f32")
@@ -617,6 +622,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             trace_only=args.trace_only,
                         )
                         break
+                    except Unavailable as err:  # e.g. qwix not installed: not a failure
+                        rec = {"status": f"skipped: {err}"}
+                        break
                     except Exception as err:  # noqa: BLE001 - record, go on with the rest
                         rec = {"status": "error", "error": f"{type(err).__name__}: {err}"[:3000]}
                         batch = models[key].config["batch"]
@@ -652,6 +660,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"TFLOP/step, half FLOPs {rec['half_flops_share']:.0%}",
                         flush=True,
                     )
+                elif rec["status"].startswith("skipped"):
+                    print(f"{key} {vkey}: {rec['status']}", flush=True)
                 else:
                     print(f"{key} {vkey}: {rec['error'][:500]}", flush=True)
     result["meta"]["elapsed_s"] = time.perf_counter() - start

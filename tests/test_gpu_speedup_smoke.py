@@ -214,3 +214,29 @@ def test_table_is_printed(smoke):
     assert "| model | variant | median ms |" in out
     for model in MODELS:
         assert f"| {model} | rw-bf16 |" in out
+
+
+def test_qwix_baseline_runs_or_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    """``hw-fp8-qwix`` (only when named): qwix is no dependency of the project, so where it
+    is missing the variant is recorded and printed as skipped, not as an error; where it is
+    installed, the GPT's 3 weight GEMMs after the first (one layer at smoke sizes) run in
+    float8 forward and backward. It exists for the GPT only."""
+    import importlib.util
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() appends to it
+    out = tmp_path / "qwix.json"
+    argv = ["--smoke", "--models", "gpt", "resnet50", "--variants", "hw-fp8-qwix"]
+    result = gpu_speedup.main([*argv, "--out", str(out)])
+    assert json.loads(out.read_text())["models"]["gpt"]["variants"].keys() == {"hw-fp8-qwix"}
+    gpt = result["models"]["gpt"]["variants"]["hw-fp8-qwix"]
+    resnet = result["models"]["resnet50"]["variants"]["hw-fp8-qwix"]
+    assert resnet["status"] == "skipped: hw-fp8-qwix is written for the GPT only, not resnet50"
+    printed = capsys.readouterr().out
+    if importlib.util.find_spec("qwix") is None:
+        assert gpt["status"] == "skipped: qwix not installed"
+        assert "gpt hw-fp8-qwix: skipped: qwix not installed" in printed
+        assert "| gpt | hw-fp8-qwix | skipped: qwix not installed |" in printed
+    else:
+        assert gpt["status"] == "ok", gpt
+        assert gpt["float8_matmuls"] == 9 and gpt["half_matmuls"] == gpt["matmuls"]
+        assert all(math.isfinite(x) for x in gpt["losses"])
