@@ -18,6 +18,8 @@ import pytest
 import jmp_rewrite
 from jmp_rewrite._src import fp8
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 BF16 = jnp.bfloat16
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 DIMS = (((1,), (0,)), ((), ()))
@@ -295,7 +297,7 @@ def _grads_close(params, **kw):
     return ref, outs
 
 
-def test_both_orders_quantize_the_same_gemms():
+def test_both_orders_quantize_the_same_gemms(leak_checking):
     params = _mlp_params([256, 256, 256, 256, 256], seed=3)
     ref, outs = _grads_close(params)
     bf16 = jax.jit(jax.grad(jmp_rewrite.rewrite(mlp, dtype=BF16)))(params, X * 0.3)

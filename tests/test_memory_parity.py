@@ -32,6 +32,8 @@ from jmp_rewrite._src.finite import (
     check_finite,
 )
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F16, BF16 = jnp.float16, jnp.bfloat16
 KEY = jax.random.key(0)
 
@@ -56,7 +58,7 @@ def _mlp_args(scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
-def test_tanh_gelu_runs_in_half_forward_and_backward(dtype):
+def test_tanh_gelu_runs_in_half_forward_and_backward(dtype, leak_checking):
     records = jr.paint(jax.grad(_mlp_loss, argnums=(0, 1)), *_mlp_args(), dtype=dtype)
     # The GELU's tanh, its scalings and sums, and their derivatives: all half.
     assert _colours(records, "tanh") == ["allow"]

@@ -51,6 +51,8 @@ from jaxpr_walk import all_eqns
 
 import jmp_rewrite
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = {"float16": F16, "bfloat16": BF16}
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -331,7 +333,7 @@ def test_cnn_bf16_within_tolerance_with_float32_sums():
     assert convs and all(operand_dtypes(e) == [BF16, BF16] for e in convs)
 
 
-def test_bf16_reduce_sum_accumulates_in_float32():
+def test_bf16_reduce_sum_accumulates_in_float32(leak_checking):
     """Minimal repro: batch norm's sum over batch and space (2048 values per channel),
     painted bfloat16, should accumulate in float32 as ``jnp.sum`` does for bfloat16 input,
     and be off by ~u, not by tens of percent. Called eagerly, as ``rewrite``'s result

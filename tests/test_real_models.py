@@ -63,6 +63,8 @@ from jaxpr_walk import all_eqns, prims, runs_in_half, sub_jaxprs
 
 import jmp_rewrite
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 # The attention mask literal overflows when cast to float16 (pinned below, in
 # test_attention_mask_value_stays_finite); do not repeat the warning for every model test.
 
@@ -567,7 +569,7 @@ def test_loss_tracks_float32_run(model):
 # --------------------------------------------------------------------------- deviations
 
 
-def test_attention_mask_value_stays_finite():
+def test_attention_mask_value_stays_finite(leak_checking):
     graphdef, params = _nnx_init(
         lambda rngs: nnx.MultiHeadAttention(2, 8, decode=False, rngs=rngs), nnx.Param
     )

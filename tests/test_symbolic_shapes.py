@@ -40,6 +40,8 @@ from jaxpr_walk import HALF, all_eqns
 import jmp_rewrite
 from jmp_rewrite._src import shapes
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F16, BF16 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
 DTYPES = pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
 SIZES = (1, 7, 32)
@@ -324,6 +326,55 @@ def test_exported_model_matches_float32_at_every_size(model, mode, dtype):
         if n == 7:  # the rewrite traced at this size computes the same
             traced = jax.jit(new_fn)(params, x)
             assert rel(got, traced) <= SAME[dtype], rel(got, traced)
+
+
+def _loops(trips: int) -> dict[str, Callable]:
+    """Loops with literal bounds whose carries have a symbolic batch the condition never reads
+    (the rewrite evaluates such a condition to learn whether the loop runs at all)."""
+
+    def body(c):
+        i, h, w = c
+        return i + 1, jnp.tanh(h @ w), w
+
+    return {
+        "while": lambda h, w: lax.while_loop(lambda c: c[0] < trips, body, (0, h, w))[1],
+        "while_from_literal_carry": lambda h, w: lax.while_loop(
+            lambda c: c[0] < trips, body, (jnp.int32(0), h * 2.0, w)
+        )[1],
+        "fori_loop": lambda h, w: lax.fori_loop(0, trips, lambda i, h: jnp.tanh(h @ w), h),
+        "scan": lambda h, w: lax.scan(lambda h, _: (jnp.tanh(h @ w), None), h, length=trips)[0],
+    }
+
+
+@DTYPES
+@pytest.mark.parametrize("trips", [0, 3])
+@pytest.mark.parametrize("loop", sorted(_loops(0)))
+def test_loops_with_literal_bounds_over_symbolic_carries(loop, trips, dtype):
+    """Exported with a symbolic batch: a loop that never runs hands its carry on exactly, one
+    that runs is within half-precision tolerance, at batch 1 and 7; its matmul runs in half."""
+    f = _loops(trips)[loop]
+    w = _normal(1, (16, 16), 0.25)
+    served = export_roundtrip(jmp_rewrite.rewrite(f, dtype=dtype), sym("b, 16"), w)
+    for n in (1, 7):
+        h = _normal(n, (n, 16))
+        got, ref = served(h, w), jax.jit(f)(h, w)
+        assert got.dtype == jnp.float32 and got.shape == (n, 16)
+        if trips == 0:
+            np.testing.assert_array_equal(got, ref)
+        else:
+            assert rel(got, ref) <= TOL[dtype], (n, rel(got, ref))
+    if trips:
+        assert half_counts(jmp_rewrite.rewrite(f, dtype=dtype), sym("b, 16"), w)["dot_general"]
+
+
+def test_export_under_the_tracer_leak_check(leak_checking):
+    """The module runs without ``jax_check_tracer_leaks`` (it recompiles every call); one
+    export of ``grad(rewrite(f))`` at a symbolic batch runs under it."""
+    f, params, spec, make_x = MODELS["issue_mlp"]()
+    ref_fn, new_fn = _versions(f, F16, "grad")
+    x = make_x(3)
+    got, ref = export_roundtrip(new_fn, params, spec)(params, x), ref_fn(params, x)
+    assert rel(got, ref) <= TOL[F16], rel(got, ref)
 
 
 @DTYPES
@@ -629,7 +680,7 @@ def test_explain_symbolic_sequence_and_scan_length():
     }
 
 
-def test_explain_says_when_a_share_depends_on_the_symbols():
+def test_explain_says_when_a_share_depends_on_the_symbols(leak_checking):
     """A train step whose finiteness check stays float32 (a float32 region): the share of
     FLOPs in half precision depends on the batch, and the summary says so, with both
     counts; the JSON has no share."""

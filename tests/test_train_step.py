@@ -39,6 +39,8 @@ from jaxpr_walk import all_eqns
 
 import jmp_rewrite
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F32 = np.dtype(jnp.float32)
 HALF = {"float16": np.dtype(jnp.float16), "bfloat16": np.dtype(jnp.bfloat16)}
 SIZES = (16, 32, 32, 4)
@@ -318,7 +320,7 @@ def losses(history: list[tuple[Any, Any, float]]) -> list[float]:
 
 
 @pytest.mark.parametrize("dtype_name", HALF)
-def test_jitted_training_tracks_float32(dtype_name):
+def test_jitted_training_tracks_float32(dtype_name, leak_checking):
     """30 Adam steps of jax.jit(rewrite(step)) end within 3% of the float32 run's loss.
 
     Each step perturbs the parameters by about u relative to float32; Adam normalises its

@@ -17,6 +17,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src import shapes
 from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
@@ -110,8 +111,10 @@ def false_at_once(layout: Any, atoms: list[Any]) -> bool:
             args.append(jc.literal_value(atom))
         elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token
             return False
-        else:  # a carry the condition does not read
-            args.append(np.zeros(var.aval.shape, var.aval.dtype))
+        else:  # a carry the condition does not read: any value of its dtype will do
+            # (of size 0 along a symbolic dimension, which no array can have)
+            shape = tuple(d if shapes.is_static(d) else 0 for d in var.aval.shape)
+            args.append(np.zeros(shape, var.aval.dtype))
     with jax.ensure_compile_time_eval():  # concrete, also while a jit traces the program
         (keep_going,) = jc.eval_jaxpr(cond, *args)
         return not np.asarray(keep_going).any()
