@@ -11,6 +11,8 @@ import pytest
 
 import jmp_rewrite as jr
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 W1 = 0.1 * jnp.ones((8, 16))
 W2 = 0.1 * jnp.ones((16, 16))
 X = jnp.ones((4, 8))
@@ -88,7 +90,7 @@ def test_renderings():
     assert len(data["equations"]) == len(r.equations) and len(data["casts"]) == len(r.casts)
 
 
-def test_train_step_has_no_residual_figure_and_abstract_inputs_work():
+def test_train_step_has_no_residual_figure_and_abstract_inputs_work(leak_checking):
     def step(params, x):
         g = jax.grad(loss)(params, x)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
@@ -148,7 +150,7 @@ def test_default_dtype_follows_the_seed_api():
         jr.disable_mixed_precision_graph_rewrite()
 
 
-def test_a_rewritten_function_is_explained_with_its_own_settings():
+def test_a_rewritten_function_is_explained_with_its_own_settings(leak_checking):
     """README's first example: explain(jit(rewrite(step))) explains step as rewritten, not
     the already rewritten program (whose matmuls are no longer float32)."""
     lists = jr.default_lists(jnp.float16).move("tanh", to="deny")

@@ -58,6 +58,8 @@ import pytest
 
 import jmp_rewrite
 
+pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
 F16, BF16 = jnp.float16, jnp.bfloat16
 A, D, F = "allow", "deny", "float32"
 _CODE = {"A": A, "D": D, "F": F}
@@ -1132,7 +1134,7 @@ def test_conflicting_lists_raise(monkeypatch):
         jmp_rewrite.default_lists(F16).add(infer=["max"])
 
 
-def test_results_are_numerically_close():
+def test_results_are_numerically_close(leak_checking):
     # Sanity: the rewritten T3 and probe C compute what the originals do, within half precision.
     for fun, args in ((_t3, (X,)), (PROBES["C"][0], PROBES["C"][1])):
         want = jax.jit(fun)(*args)
@@ -1152,7 +1154,7 @@ def _xent_loss(w, x, labels):
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("version", [True, False], ids=["tf2.21", "tf2.19"])
-def test_whole_graph_log_softmax_gradient_is_float32_throughout(dtype, version):
+def test_whole_graph_log_softmax_gradient_is_float32_throughout(dtype, version, leak_checking):
     # TF's LogSoftmax gradient is Exp (deny), Sum, Mul, Sub: float32 throughout, in float16
     # and bfloat16. JAX's divides by the sum of the exps the forward unit hands over (a
     # residual TF's Exp recomputes): that sum is a deny vertex of its own, so the div was
