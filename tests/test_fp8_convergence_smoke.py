@@ -9,18 +9,15 @@ directly.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from benchmark_runs import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "fp8_convergence.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fp8_convergence  # noqa: E402
 
@@ -32,24 +29,7 @@ pytestmark = pytest.mark.once
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("fp8_convergence") / "smoke.json"
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAX_CHECK_TRACER_LEAKS", None)  # it disables caches; not what is tested here
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)]
-    cmd += ["--rules", "no-fc=exclude=('*/fc',)"]
-    proc = subprocess.run(
-        cmd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard only: no test depends on how fast the machine is
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text()), proc.stdout
+    return run_script("fp8_convergence.py", out, "--rules", "no-fc=exclude=('*/fc',)")
 
 
 def test_every_run_trained_with_float8_where_asked(smoke):

@@ -15,13 +15,12 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+from benchmark_runs import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_speedup.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_speedup  # noqa: E402
 
@@ -44,22 +43,7 @@ pytestmark = pytest.mark.once
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu_speedup") / "smoke.json"
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAX_CHECK_TRACER_LEAKS", None)  # it disables caches; not what is tested here
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--tf32", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,  # a hang guard only: no test depends on how fast the machine is
-        check=False,
-    )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text()), proc.stdout
+    return run_script("gpu_speedup.py", out, "--tf32")
 
 
 def test_meta_records_versions_device_and_tf32(smoke):
