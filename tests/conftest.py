@@ -4,10 +4,11 @@
 Property tests run derandomized by default (profile ``ci``: a fixed seed; hypothesis still
 steers later draws by how long earlier examples took, so a loaded machine may draw other
 examples than an idle one, and a failure prints its ``@reproduce_failure`` blob to replay
-it); their edge cases are pinned with ``@example``. ``HYPOTHESIS_PROFILE=random`` draws new examples on every
-run, to look for failures by hand: ``HYPOTHESIS_PROFILE=random .venv/bin/python -m pytest
-tests/test_loss_scale.py``; ``HYPOTHESIS_PROFILE=long`` does too, and runs 200 generated
-programs per dtype in ``tests/test_oracle.py`` instead of a few, shrinking a counterexample.
+it); their edge cases are pinned with ``@example``. ``HYPOTHESIS_PROFILE=random`` draws new
+examples on every run, to look for failures by hand:
+``HYPOTHESIS_PROFILE=random .venv/bin/python -m pytest tests/test_loss_scale.py``;
+``HYPOTHESIS_PROFILE=long`` does too, and runs 200 generated programs per dtype in
+``tests/test_oracle.py`` instead of a few, shrinking a counterexample.
 A test's own ``@settings`` (example counts, phases) apply on top of the profile.
 """
 

@@ -367,6 +367,71 @@ def test_loops_with_literal_bounds_over_symbolic_carries(loop, trips, dtype):
         assert half_counts(jmp_rewrite.rewrite(f, dtype=dtype), sym("b, 16"), w)["dot_general"]
 
 
+@jax.custom_vjp
+def _tanh_layer_and_argmax(x, w):
+    y = jnp.tanh(x @ w)
+    return y, jnp.argmax(y, -1)
+
+
+def _tanh_layer_fwd(x, w):
+    out = _tanh_layer_and_argmax(x, w)
+    return out, (x, w, out[0])
+
+
+def _tanh_layer_bwd(res, cts):
+    x, w, y = res
+    g = cts[0] * (1 - y**2)  # cts[1]: the integer output's float0 zeros
+    return g @ w.T, x.T @ g
+
+
+_tanh_layer_and_argmax.defvjp(_tanh_layer_fwd, _tanh_layer_bwd)
+
+
+@jax.custom_jvp
+def _softplus_and_sign(x):
+    return jax.nn.softplus(x), (x > 0).astype(jnp.int32)
+
+
+@_softplus_and_sign.defjvp
+def _softplus_and_sign_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    y, s = _softplus_and_sign(x)
+    # float0 zeros of a symbolic shape: a broadcast scalar (no numpy array has that shape)
+    return (y, s), (jax.nn.sigmoid(x) * dx, lax.broadcast(np.zeros((), jax.dtypes.float0), s.shape))
+
+
+def _custom_rule_losses() -> dict[str, Callable]:
+    def vjp_loss(w, x):
+        y, i = _tanh_layer_and_argmax(x, w)
+        return jnp.sum(y * (i[:, None] + 1.0))
+
+    def jvp_loss(w, x):
+        y, s = _softplus_and_sign(x @ w)
+        return jnp.sum(y * s)
+
+    return {"custom_vjp": vjp_loss, "custom_jvp": jvp_loss}
+
+
+@DTYPES
+@pytest.mark.parametrize("order", ["grad(rewrite)", "rewrite(grad)"])
+@pytest.mark.parametrize("rule", sorted(_custom_rule_losses()))
+def test_custom_rules_with_an_integer_output_at_a_symbolic_batch(rule, order, dtype):
+    """A custom derivative rule whose function also returns an integer (an argmax, a sign):
+    its zero cotangent is made at the symbolic batch (float0 zeros, as JAX's own), exported
+    and called at batch 1 and 7 within tolerance of float32's gradient."""
+    loss = _custom_rule_losses()[rule]
+    if order == "grad(rewrite)":
+        new_fn = jax.grad(jmp_rewrite.rewrite(loss, dtype=dtype))
+    else:
+        new_fn = jmp_rewrite.rewrite(jax.grad(loss), dtype=dtype)
+    w = _normal(1, (16, 16), 0.25)
+    served = export_roundtrip(new_fn, w, sym("b, 16"))
+    for n in (1, 7):
+        x = _normal(n, (n, 16))
+        got, ref = served(w, x), jax.jit(jax.grad(loss))(w, x)
+        assert got.dtype == jnp.float32 and rel(got, ref) <= TOL[dtype], (n, rel(got, ref))
+
+
 def test_export_under_the_tracer_leak_check(leak_checking):
     """The module runs without ``jax_check_tracer_leaks`` (it recompiles every call); one
     export of ``grad(rewrite(f))`` at a symbolic batch runs under it."""

@@ -1257,4 +1257,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
         "a batched heavy-ball buffer m * buf + g (the state scaled, no step) is rounded to half",
     ),
+    # -- round 5 (lead): values made at trace time from a shape that may be symbolic
+    _m(
+        "equations.unread_carry_at_its_symbolic_shape",
+        "equations.py",
+        "            shape = tuple(d if shapes.is_static(d) else 0 for d in var.aval.shape)",
+        "            shape = var.aval.shape",
+        T_SYM + "test_loops_with_literal_bounds_over_symbolic_carries",
+        "exporting a while loop over a carry of symbolic batch raises TypeError at trace time",
+    ),
+    _m(
+        "custom_rules.float0_zeros_at_a_symbolic_shape",
+        "custom_rules.py",
+        "    if all(shapes.is_static(d) for d in ct.aval.shape):",
+        "    if True:",
+        T_SYM + "test_custom_rules_with_an_integer_output_at_a_symbolic_batch",
+        "grad(rewrite(f)) of a custom_vjp with an integer output raises at a symbolic batch",
+    ),
 )

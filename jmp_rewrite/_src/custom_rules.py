@@ -24,6 +24,7 @@ from jax.dtypes import float0
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src import shapes
 from jmp_rewrite._src.graph import is_float
 from jmp_rewrite._src.higher_order import bind
 
@@ -108,11 +109,12 @@ def _instantiate(ct: Any) -> Any:
     """A cotangent with a symbolic zero made an array (float0 for an integer output)."""
     if not _is_zero(ct):
         return ct
-    return (
-        np.zeros(ct.aval.shape, ct.aval.dtype)
-        if ct.aval.dtype == float0
-        else (jnp.zeros(ct.aval.shape, ct.aval.dtype))
-    )
+    if ct.aval.dtype != float0:
+        return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    if all(shapes.is_static(d) for d in ct.aval.shape):
+        return np.zeros(ct.aval.shape, float0)
+    # no numpy array has a symbolic shape: broadcast a float0 scalar, as JAX's own zeros do
+    return lax.broadcast(np.zeros((), float0), ct.aval.shape)
 
 
 def _partial_in(fun: Any, values: Sequence[Any], live: Sequence[int]) -> Any:
