@@ -1,10 +1,10 @@
 """Shared fixtures and the hypothesis profiles. Test helpers live in jaxpr_walk.py
 (importable: tests/ is on sys.path).
 
-Property tests run derandomized by default (profile ``ci``: a fixed seed; hypothesis still
-steers later draws by how long earlier examples took, so a loaded machine may draw other
-examples than an idle one, and a failure prints its ``@reproduce_failure`` blob to replay
-it); their edge cases are pinned with ``@example``. ``HYPOTHESIS_PROFILE=random`` draws new
+Property tests run derandomized by default (profile ``ci``: a seed from the test's source;
+one full xdist run has still drawn an example a lone run of the test does not, so a failure
+prints its ``@reproduce_failure`` blob to replay it); their edge cases are pinned with
+``@example``. ``HYPOTHESIS_PROFILE=random`` draws new
 examples on every run, to look for failures by hand:
 ``HYPOTHESIS_PROFILE=random .venv/bin/python -m pytest tests/test_loss_scale.py``;
 ``HYPOTHESIS_PROFILE=long`` does too, and runs 200 generated programs per dtype in
