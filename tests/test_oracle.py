@@ -302,7 +302,7 @@ COUNTEREXAMPLES = [
     # found by the generator (issue 22): rewrite(vmap(sgd step)) with the state unbatched
     # (shape [D] in, [2, D] out) was no state by the shape rule: the step was rounded in
     # bfloat16, 0.46u off float64 where the reference is 0.002u (origins.updates_state; a
-    # step size must scale the update at its top, origins.stepped, so that a bias is none)
+    # step size must scale the update at its top, paint_additions.stepped, so that a bias is none)
     pytest.param(
         Program((State("sgd", "step"),), transform="vmap_inner"),
         BF16,

@@ -8,7 +8,7 @@ drifted (bfloat16: the change ~0.4 off float32 where hand-written half is ~0.003
 
 A bias broadcast onto activations (``x @ w + b``, batch and layer norm's offset) is as
 linear in ``b`` and of the same shapes: it is told apart by the step size that scales a
-state's update *at its top* (``origins.stepped``: a literal or scalar factor of the
+state's update *at its top* (``paint_additions.stepped``: a literal or scalar factor of the
 increment, or of the state itself). A norm's or a dense layer's increment has a factor that
 spans the bias's axes (``(x - mean) * inv * scale``) or is a matmul: no state, the
 activations stay half. The first fix searched the increment's whole upstream for a step and

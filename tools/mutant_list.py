@@ -648,8 +648,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "origins.moves_carry_no_state",
         "origins.py",
-        "    if (name in _MOVES or name in _SCATTER_COMBINES) and eqn.outvars:",
-        "    if name in _SCATTER_COMBINES and eqn.outvars:",
+        "    if (name in _MOVES or name in SCATTER_COMBINES) and eqn.outvars:",
+        "    if name in SCATTER_COMBINES and eqn.outvars:",
         T_LOOPS + "test_item1_state_updated_through_data_movement",
         "a state updated through reshape/transpose/concatenate (ravel_pytree) is rounded in loops",
     ),
@@ -1224,14 +1224,14 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.stacked_state_any_broadcast",
         "paint_additions.py",
-        "            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):",
+        "            if inp.shape == aval.shape or stepped(g, j, src, len(inp.shape)):",
         "            if True:",
         "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
         "a dense layer's bias broadcast onto a matmul output is kept float32 as a state",
     ),
     _m(
         "origins.step_size_per_row_below_the_top",
-        "origins.py",
+        "paint_additions.py",
         "    if _step_factor(n, nodes, rank, per_row=top):",
         "    if _step_factor(n, nodes, rank):",
         "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
@@ -1239,7 +1239,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.step_factor_spans_the_state",
-        "origins.py",
+        "paint_additions.py",
         "    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])",
         "    return all(size == 1 for size in shape[:1])",
         (
@@ -1251,7 +1251,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.decayed_state_no_step",
-        "origins.py",
+        "paint_additions.py",
         '        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):',
         "        if False:",
         "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",

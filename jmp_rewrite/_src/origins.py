@@ -10,10 +10,10 @@ A program input is a *state* when an output of its shape is computed from it lin
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step), or
 of its shape with leading axes added (:func:`updates_state`: the update batched by
 ``rewrite(vmap(f))`` or stacked by a scan, the state unbatched) when a step size scales
-the update at its top (:func:`stepped`: a bias broadcast onto activations is none); a loop
-carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per value, the
-input it copies, and the states it is linear in and updates; the painter keeps such chains
-float32 (``paint.keep_state_updates_float32``) and outputs that copy an input exact
+the update at its top (``paint_additions.stepped``: a bias broadcast onto activations is
+none); a loop carry is one inside its body (:class:`LoopState`). :class:`Origin` records, per
+value, the input it copies, and the states it is linear in and updates; the painter keeps such
+chains float32 (``paint_additions.keep_state_updates_float32``) and outputs that copy an input exact
 (``paint.keep_output_copies_float32``).
 """
 
@@ -89,7 +89,7 @@ _MOVES = frozenset(
     | {"dynamic_slice", "dynamic_update_slice", "gather", "scatter", "concatenate", "pad", "split"}
 )
 #: ``operand.at[i].add(updates)``: an addition, placed.
-_SCATTER_COMBINES = frozenset({"scatter-add", "scatter_add", "scatter-sub", "scatter_sub"})
+SCATTER_COMBINES = frozenset({"scatter-add", "scatter_add", "scatter-sub", "scatter_sub"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,101 +138,6 @@ def updates_state(state: tuple[int, ...], output: tuple[int, ...]) -> bool:
     if output == state:
         return True
     return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state
-
-
-#: What a step size reaches an increment through, above it: casts, sign, data movement.
-_STEP_PASSES = frozenset(
-    {"convert_element_type", "neg", "copy", "copy_p", "broadcast_in_dim", "reshape"}
-    | {"squeeze", "expand_dims"}
-)
-
-
-def stepped(nodes: Any, state: int, root: int, rank: int) -> bool:
-    """Whether ``root`` (a node of the painting graph ``nodes``, linear in and updating
-    ``state``, of rank ``rank``) updates it by a *step*: scaled by a step size.
-
-    Asked of an output with leading axes over its state (see :func:`updates_state`), where a
-    bias broadcast onto activations is as linear as a batched step. A step size is a factor
-    constant over the state's axes (:func:`_step_factor`: a literal, a scalar, a value per
-    batch element), and it scales the update *at its top*, on the chain from the state to
-    ``root``, either
-
-    * the increment an addition adds to the chain (through :data:`_STEP_PASSES`), or a
-      factor of that product (``- lr * g``, ``- 0.01 * mu / (sqrt(nu) + eps)``,
-      ``(1 - m) * stat``, ``dt / 6 * (k1 + ...)``, ``(g - c) / 100``); or
-    * the chain itself, by a literal or scalar (``m * old`` in an EMA or a momentum
-      buffer, AdamW's ``- lr * (d + wd * p)``).
-
-    A bias is added to activations whose top factor spans its axes (batch norm's
-    ``(x - mean) * inv * scale + b``, layer norm's, ``x @ w + b``): no step. Not told apart
-    from a step: an output that is a bias plus activations scaled by such a factor
-    (``0.5 * x + b``, ``(x - mean) * rsqrt(var) + b`` with no scale, ``mean(x, 1) + b``),
-    kept float32 as a state though none (that add and scaling only; no accuracy is lost).
-    """
-    chain, todo = set(), [root]
-    while todo:  # the nodes linear in ``state`` on its way to ``root``
-        i = todo.pop()
-        n = nodes[i]
-        if i in chain or (i != root and state not in n.origin.derived):
-            continue
-        chain.add(i)
-        todo.extend(n.fanin)
-    for i in chain:
-        n = nodes[i]
-        name = n.eqn.primitive.name if n.eqn is not None else None
-        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):
-            return True
-        if name in COMBINES or name in _SCATTER_COMBINES:
-            if any(_scaled(nodes, f, rank) for f in n.fanin if f not in chain):
-                return True
-    return False
-
-
-def _scaled(nodes: Any, i: int, rank: int, top: bool = True) -> bool:
-    """Whether node ``i`` is, through :data:`_STEP_PASSES`, a product or quotient by a step
-    size (:func:`_step_factor`), or ``top``, one by a product by a scalar (``0.01 * mu / d``:
-    a quotient of a scaled ``mu``). Below the top, a value per row is no step size: layer
-    norm's ``(x - mean) * (rsqrt(var) * scale)`` is a product by a per-row factor too."""
-    n = nodes[i]
-    while n.eqn is not None and n.eqn.primitive.name in _STEP_PASSES and len(n.fanin) == 1:
-        n = nodes[n.fanin[0]]
-    if n.eqn is None or n.eqn.primitive.name not in ("mul", "div"):
-        return False
-    if _step_factor(n, nodes, rank, per_row=top):
-        return True
-    return top and any(_scaled(nodes, f, rank, top=False) for f in n.fanin)
-
-
-def _step_factor(
-    n: Any, nodes: Any, rank: int, skip: frozenset[int] | set[int] = frozenset(), per_row=True
-) -> bool:
-    """Whether product or quotient ``n`` (a divisor only, for a quotient) has a step size for
-    a factor: a literal or scalar (``lr``), or, ``per_row``, a value constant over the
-    trailing ``rank`` axes (a state's): one per leading index (``vmap`` over learning rates:
-    ``[B, 1]``, or ``[B]`` broadcast). Nodes ``skip`` (the state's chain) are no factor."""
-    out = n.eqn.outvars[0].aval.shape
-    div = n.eqn.primitive.name == "div"
-    for a in n.eqn.invars[1:] if div else n.eqn.invars:
-        shape = getattr(a.aval, "shape", None)
-        if shape == () or (per_row and _constant_over(shape, out, rank)):
-            return True
-    for f in () if div else n.fanin:  # an operand broadcast to the full shape first
-        b = nodes[f]
-        if f in skip or b.eqn is None or b.eqn.primitive.name != "broadcast_in_dim":
-            continue
-        shape, dims = b.eqn.invars[0].aval.shape, b.eqn.params["broadcast_dimensions"]
-        lead = len(b.eqn.outvars[0].aval.shape) - rank
-        if shape == () or (per_row and all(k == 1 for k, d in zip(shape, dims) if d >= lead)):
-            return True
-    return False
-
-
-def _constant_over(shape: tuple[int, ...] | None, out: tuple[int, ...], rank: int) -> bool:
-    """Whether an elementwise operand of shape ``shape`` (broadcast to ``out`` by its size-1
-    axes) takes one value along the trailing ``rank`` axes: ``[B, 1]`` against ``[B, D]``."""
-    if shape is None or len(shape) != len(out):
-        return False
-    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])
 
 
 def recurrent_states(states: list[int | None], results: list[Origin]) -> dict[int, frozenset[int]]:
@@ -301,11 +206,11 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
         # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
         updates = frozenset().union(*(o.updates for o in ins))
         return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=updates, updates=updates)
-    if (name in _MOVES or name in _SCATTER_COMBINES) and eqn.outvars:
+    if (name in _MOVES or name in SCATTER_COMBINES) and eqn.outvars:
         per = [o.derived for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
         derived = frozenset().union(*per)
         updates = frozenset().union(*(o.updates for o in ins)) & derived
-        if name in _SCATTER_COMBINES:
+        if name in SCATTER_COMBINES:
             updates |= frozenset(j for j in derived if any(j not in d for d in per))
         return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=derived, updates=updates)
     if name in _LINEAR and eqn.outvars:

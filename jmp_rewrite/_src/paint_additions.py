@@ -18,7 +18,7 @@ from jax import lax
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.equations import is_f32
 from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.origins import COMBINES, stepped, updates_state
+from jmp_rewrite._src.origins import COMBINES, SCATTER_COMBINES, updates_state
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
 
 
@@ -132,6 +132,99 @@ def _products(n: Node) -> int:
     return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))
 
 
+#: What a step size reaches an increment through, above it: casts, sign, data movement.
+_STEP_PASSES = frozenset(
+    {"convert_element_type", "neg", "copy", "copy_p", "broadcast_in_dim", "reshape"}
+    | {"squeeze", "expand_dims"}
+)
+
+
+def stepped(g: Graph, state: int, root: int, rank: int) -> bool:
+    """Whether ``root`` (a node of ``g``, linear in and updating ``state``, of rank
+    ``rank``) updates it by a *step*: scaled by a step size.
+
+    Asked of an output with leading axes over its state (see ``origins.updates_state``), where a
+    bias broadcast onto activations is as linear as a batched step. A step size is a factor
+    constant over the state's axes (:func:`_step_factor`: a literal, a scalar, a value per
+    batch element), and it scales the update *at its top*, on the chain from the state to
+    ``root``, either
+
+    * the increment an addition adds to the chain (through :data:`_STEP_PASSES`), or a
+      factor of that product (``- lr * g``, ``- 0.01 * mu / (sqrt(nu) + eps)``,
+      ``(1 - m) * stat``, ``dt / 6 * (k1 + ...)``, ``(g - c) / 100``); or
+    * the chain itself, by a literal or scalar (``m * old`` in an EMA or a momentum
+      buffer, AdamW's ``- lr * (d + wd * p)``).
+
+    A bias is added to activations whose top factor spans its axes (batch norm's
+    ``(x - mean) * inv * scale + b``, layer norm's, ``x @ w + b``): no step. Not told apart
+    from a step: an output that is a bias plus activations scaled by such a factor
+    (``0.5 * x + b``, ``(x - mean) * rsqrt(var) + b`` with no scale, ``mean(x, 1) + b``),
+    kept float32 as a state though none (that add and scaling only; no accuracy is lost).
+    """
+    nodes = g.nodes
+    chain = set(_walk_up(g, [root], lambda v: state in v.origin.derived))  # linear in state
+    for i in chain:
+        n = nodes[i]
+        name = n.eqn.primitive.name if n.eqn is not None else None
+        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):
+            return True
+        if name in COMBINES or name in SCATTER_COMBINES:
+            if any(_scaled(nodes, f, rank) for f in n.fanin if f not in chain):
+                return True
+    return False
+
+
+def _scaled(nodes: list[Node], i: int, rank: int, top: bool = True) -> bool:
+    """Whether node ``i`` is, through :data:`_STEP_PASSES`, a product or quotient by a step
+    size (:func:`_step_factor`), or ``top``, one by a product by a scalar (``0.01 * mu / d``:
+    a quotient of a scaled ``mu``). Below the top, a value per row is no step size: layer
+    norm's ``(x - mean) * (rsqrt(var) * scale)`` is a product by a per-row factor too."""
+    n = nodes[i]
+    while n.eqn is not None and n.eqn.primitive.name in _STEP_PASSES and len(n.fanin) == 1:
+        n = nodes[n.fanin[0]]
+    if n.eqn is None or n.eqn.primitive.name not in ("mul", "div"):
+        return False
+    if _step_factor(n, nodes, rank, per_row=top):
+        return True
+    return top and any(_scaled(nodes, f, rank, top=False) for f in n.fanin)
+
+
+def _step_factor(
+    n: Node,
+    nodes: list[Node],
+    rank: int,
+    skip: frozenset[int] | set[int] = frozenset(),
+    per_row=True,
+) -> bool:
+    """Whether product or quotient ``n`` (a divisor only, for a quotient) has a step size for
+    a factor: a literal or scalar (``lr``), or, ``per_row``, a value constant over the
+    trailing ``rank`` axes (a state's): one per leading index (``vmap`` over learning rates:
+    ``[B, 1]``, or ``[B]`` broadcast). Nodes ``skip`` (the state's chain) are no factor."""
+    out = n.eqn.outvars[0].aval.shape
+    div = n.eqn.primitive.name == "div"
+    for a in n.eqn.invars[1:] if div else n.eqn.invars:
+        shape = getattr(a.aval, "shape", None)
+        if shape == () or (per_row and _constant_over(shape, out, rank)):
+            return True
+    for f in () if div else n.fanin:  # an operand broadcast to the full shape first
+        b = nodes[f]
+        if f in skip or b.eqn is None or b.eqn.primitive.name != "broadcast_in_dim":
+            continue
+        shape, dims = b.eqn.invars[0].aval.shape, b.eqn.params["broadcast_dimensions"]
+        lead = len(b.eqn.outvars[0].aval.shape) - rank
+        if shape == () or (per_row and all(k == 1 for k, d in zip(shape, dims) if d >= lead)):
+            return True
+    return False
+
+
+def _constant_over(shape: tuple[int, ...] | None, out: tuple[int, ...], rank: int) -> bool:
+    """Whether an elementwise operand of shape ``shape`` (broadcast to ``out`` by its size-1
+    axes) takes one value along the trailing ``rank`` axes: ``[B, 1]`` against ``[B, D]``."""
+    if shape is None or len(shape) != len(out):
+        return False
+    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])
+
+
 def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     """State is updated in float32: across steps (program outputs) and across iterations.
 
@@ -140,7 +233,7 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
     float16 list) crosses its loop boundary in float32. Two kinds of state:
 
     * an output computed from the input of its shape (or of it with leading axes added,
-      ``origins.updates_state``, when a step size scales the update, ``origins.stepped``)
+      ``origins.updates_state``, when a step size scales the update, :func:`stepped`)
       linearly, combined with something else
       (``new = m * old + (1 - m) * stat``: a running average, an EMA, an SGD step): it would
       be re-rounded to half every step and drift. An output reached from the input through a
@@ -164,7 +257,7 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             inp = g.input_avals[j] if j < len(g.input_avals) else None
             if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):
                 continue
-            if inp.shape == aval.shape or stepped(g.nodes, j, src, len(inp.shape)):
+            if inp.shape == aval.shape or stepped(g, j, src, len(inp.shape)):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
         _keep_state_chain(g, p, frozenset({j}), roots, frozenset())
