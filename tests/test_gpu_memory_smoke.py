@@ -7,14 +7,12 @@ same step builders, memory analysis, HLO accounting and JSON (about 10 s: 2 comp
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
 import sys
 
+from benchmark_runs import run_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_memory.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 HLO = """\
@@ -108,24 +106,17 @@ def test_baseline_fills_in_variants_not_compiled_now():
 
 def test_smoke_run_on_the_host(tmp_path):
     out = tmp_path / "gpu_memory.json"
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAX_CHECK_TRACER_LEAKS", None)
-    args = ["--smoke", "--platform", "cpu", "--models", "gpt"]
-    args += ["--variants", "rw-bf16", "hand-bf16", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    result, stdout = run_script(
+        "gpu_memory.py",
+        out,
+        "--platform",
+        "cpu",
+        "--models",
+        "gpt",
+        "--variants",
+        "rw-bf16",
+        "hand-bf16",
     )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.read_text())
     assert result["meta"]["platform"] == "cpu" and result["meta"]["smoke"] is True
     gpt = result["models"]["gpt"]
     assert set(gpt["variants"]) == {"rw-bf16", "hand-bf16"}
@@ -133,4 +124,4 @@ def test_smoke_run_on_the_host(tmp_path):
         assert rec["peak_bytes"] > 0 and rec["temp_bytes"] >= 0, rec
         assert rec["kernels"] > 0 and rec["bytes_moved"] > 0 and rec["converts"] > 0, rec
     assert set(gpt["ratios"]) == {"rw-bf16/hand-bf16"}
-    assert "| gpt | rw-bf16 |" in proc.stdout
+    assert "| gpt | rw-bf16 |" in stdout
