@@ -1,4 +1,5 @@
-# make test / make demo create .venv on first use; nothing else needs installing by hand.
+# make test / make demo create .venv on first use, make docs .venv-docs; nothing else needs
+# installing by hand.
 # make test-newest does the same in .venv-newest with the newest Python the machine has
 # (pyenv's; where `pip install jax` gives the newest jax), the other end of what we support.
 PYTHON ?= python3
@@ -7,6 +8,7 @@ NEWEST_PYTHON ?= $(shell .ci/newest_python)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
+DOCS_STAMP := $(VENV)/.installed-docs
 PYTEST_WORKERS ?= 2
 comma := ,
 # Extra pytest arguments (e.g. make test PYTEST_ARGS="-k explain").
@@ -18,7 +20,7 @@ PY_OK := import sys; sys.exit(sys.version_info < (3, 11))
 # stale whatever its stamps say: its stamps are rebuilt, and the recipe below remakes it.
 ifneq ($(wildcard $(VENV)),)
 ifneq ($(shell $(BIN)/python -c '$(PY_OK)' 2>/dev/null && echo ok),ok)
-.PHONY: $(STAMP) $(DEMO_STAMP)
+.PHONY: $(STAMP) $(DEMO_STAMP) $(DOCS_STAMP)
 endif
 endif
 
@@ -50,11 +52,17 @@ $(DEMO_STAMP): pyproject.toml
 	$(call venv,demo)
 	touch $(DEMO_STAMP)
 
-.PHONY: test test-newest demo lint format bench figures gpu-memory mutants clean
+$(DOCS_STAMP): pyproject.toml
+	$(call venv,docs)
+	touch $(DOCS_STAMP)
+
+.PHONY: test test-newest demo docs lint format bench figures gpu-memory mutants clean
+
+LINTED := jmp_rewrite tests benchmarks tools docs/conf.py docs/_ext
 
 lint: $(STAMP)
-	$(BIN)/ruff check jmp_rewrite tests benchmarks tools
-	$(BIN)/ruff format --check jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
@@ -72,9 +80,21 @@ test-newest:
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m jmp_rewrite demo $(ARGS)
 
+# make docs: the documentation site (docs/, Sphinx + myst-nb) into docs/_build/html, in its own
+# environment, .venv-docs. Warnings are errors (-W, reported all at once with --keep-going) and
+# every cross-reference is checked (-n); nothing is fetched from the network. The notebooks run
+# while the site is built (cached in docs/_build/.jupyter_cache); the painting diagram, the
+# explain report and the benchmark plots are generated then too (docs/_ext).
+DOCS_VENV ?= .venv-docs
+docs:
+	$(MAKE) $(DOCS_VENV)/.installed-docs VENV=$(DOCS_VENV)
+	JAX_PLATFORMS=cpu $(DOCS_VENV)/bin/python -m sphinx -W --keep-going -n -q -b html \
+	  docs docs/_build/html
+	@echo "The site: docs/_build/html/index.html"
+
 format: $(STAMP)
-	$(BIN)/ruff format jmp_rewrite tests benchmarks tools
-	$(BIN)/ruff check --fix jmp_rewrite tests benchmarks tools
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rewrite_overhead.py
@@ -96,4 +116,4 @@ mutants: $(STAMP)
 	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-newest .venv-gpu .pytest_cache runs
+	rm -rf .venv .venv-newest .venv-gpu .venv-docs .pytest_cache runs docs/_build docs/_generated

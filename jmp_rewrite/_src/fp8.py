@@ -98,7 +98,8 @@ class Fp8Rules:
       include: matmuls to run in float8 whatever the default rules say (any half-precision
         ``dot_general`` outside float32 regions: an attention matmul, the head, a small one).
       exclude: matmuls to keep bfloat16 (wins over ``include``).
-      min_dim: the smallest M, N and K of a float8 GEMM (see :data:`MIN_DIM`).
+      min_dim: the smallest M, N and K of a float8 GEMM (256 by default, the smallest size
+        at which the halved GEMM time can repay the quantizing passes).
       multiple: M, N and K must be multiples of it (XLA pads otherwise).
       keep_first: keep the program's first weight GEMM (its input layer) bfloat16.
       keep_last: keep its last weight GEMM (the output head) bfloat16.

@@ -429,7 +429,7 @@ def loss_scale_optimizer(
     computes the inner update every step and keeps or discards it with ``jnp.where`` (jmp's
     ``select_tree`` style), which avoids an XLA conditional (on GPU it may synchronise with
     the host) at the price of a discarded update on skipped steps. Keep the default wherever
-    buffers are donated; the README's "Benchmarks" section has the measurements. Under
+    buffers are donated; the documentation's Benchmarks page has the measurements. Under
     ``jax.vmap`` a ``cond`` becomes a select anyway. Outside ``jit`` (eager calls) the branch
     is chosen in Python, like TF's ``smart_cond``.
 

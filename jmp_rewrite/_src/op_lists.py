@@ -928,7 +928,7 @@ class OpLists:
 
         Args:
           op: an op key.
-          to: one of :data:`KINDS` or ``"unlisted"``.
+          to: ``"allow"``, ``"infer"``, ``"deny"``, ``"clear"`` or ``"unlisted"``.
 
         Returns:
           A new :class:`OpLists`; ``self`` is unchanged.

@@ -29,8 +29,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def float32_region(fun: F) -> F:
     """Marks ``fun`` as a float32 region that :func:`jmp_rewrite.rewrite` never converts.
 
-    Every equation ``fun`` traces (including those inside the ``jit``s, ``cond``s and loops
-    it calls) runs in its original dtype in the rewritten program; half-precision values
+    Every equation ``fun`` traces (including those inside the ``jit``, ``cond`` and loop
+    calls it makes) runs in its original dtype in the rewritten program; half-precision values
     flowing in are cast to float32 at the boundary. Outside a rewrite the wrapper is a no-op.
 
     Args:

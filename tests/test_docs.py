@@ -1,4 +1,6 @@
-"""Every ```python block of README.md runs as written, each on its own in a fresh interpreter.
+"""Every ```python block of README.md and of the documentation's pages (``docs/**/*.md``) runs
+as written, each on its own in a fresh interpreter; and the API reference has an entry for
+every public name.
 
 A block is a user's copy-paste: it must define everything it uses. It runs as a script from
 an empty directory, with the repository on ``PYTHONPATH`` (JAX on CPU, without the suite's
@@ -17,7 +19,10 @@ whole (trailing spaces aside); ``...`` inside a line stands for any text (figure
 between JAX versions), and a line that is only ``...`` for any number of lines.
 
 Any other ``<!-- readme-test ... -->`` comment is an error, so a misspelt marker cannot hide a
-block (and cannot silently fail to skip one).
+block (and cannot silently fail to skip one). The markers are the same in the README and in
+the documentation, so a passage moves between them unchanged; a block that appears in both
+(the Example, on the README and on the site's home page) runs once, and what each place shows
+after it is checked against that one run.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import textwrap
 
 import pytest
 
+import jmp_rewrite
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _SKIP = re.compile(r"^\s*<!--\s*readme-test:\s*skip\s*\((?P<reason>[^()]*\S[^()]*)\)\s*-->\s*$")
@@ -42,18 +49,19 @@ _PYTHON = {"python", "py", "python3"}
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    """One fenced code block of the README."""
+    """One fenced code block of a Markdown document."""
 
     line: int  # 1-based line of the opening fence
     heading: str  # the section it sits in
     language: str
     code: str
     skip: str | None  # the reason, when marked to skip
-    expect: str | None = None  # the output the README shows for it (the next, marked block)
+    expect: str | None = None  # the output the page shows for it (the next, marked block)
 
 
-def parse_blocks(text: str) -> list[Block]:
-    """The fenced code blocks of a Markdown document, with their skip markers.
+def parse_blocks(text: str, name: str = "README.md") -> list[Block]:
+    """The fenced code blocks of a Markdown document (``name`` in messages), with their skip
+    and output markers.
 
     Raises:
       ValueError: for an unclosed fence, a malformed ``readme-test`` comment, or a skip
@@ -69,7 +77,7 @@ def parse_blocks(text: str) -> list[Block]:
             and not (_SKIP.match(line) or _OUTPUT.match(line))
         ):
             raise ValueError(
-                f"README.md:{i + 1}: malformed marker {line.strip()!r}; the markers are "
+                f"{name}:{i + 1}: malformed marker {line.strip()!r}; the markers are "
                 "'<!-- readme-test: skip (reason) -->' right before a ```python fence and "
                 "'<!-- readme-test: output -->' right before the fence of its output"
             )
@@ -86,18 +94,18 @@ def parse_blocks(text: str) -> list[Block]:
             (j for j in range(i + 1, len(lines)) if closing.fullmatch(lines[j].strip())), None
         )
         if end is None:
-            raise ValueError(f"README.md:{i + 1}: unclosed code fence")
+            raise ValueError(f"{name}:{i + 1}: unclosed code fence")
         body = [ln[len(indent) :] if ln.startswith(indent) else ln for ln in lines[i + 1 : end]]
         previous = lines[i - 1] if i else ""
         skip = _SKIP.match(previous)
         if skip and language not in _PYTHON:
-            raise ValueError(f"README.md:{i}: skip marker before a {language or 'plain'} block")
+            raise ValueError(f"{name}:{i}: skip marker before a {language or 'plain'} block")
         code = textwrap.dedent("\n".join(body)) + "\n"
         if _OUTPUT.match(previous):
             if not blocks or blocks[-1].language not in _PYTHON or blocks[-1].skip:
-                raise ValueError(f"README.md:{i}: output marker after no python block that runs")
+                raise ValueError(f"{name}:{i}: output marker after no python block that runs")
             if blocks[-1].expect is not None:
-                raise ValueError(f"README.md:{i}: a second output for one python block")
+                raise ValueError(f"{name}:{i}: a second output for one python block")
             blocks[-1] = dataclasses.replace(blocks[-1], expect=code)
         else:
             blocks.append(Block(i + 1, heading, language, code, skip["reason"] if skip else None))
@@ -105,7 +113,7 @@ def parse_blocks(text: str) -> list[Block]:
     for j, line in enumerate(lines):
         marked = _SKIP.match(line) or _OUTPUT.match(line)
         if marked and not (j + 1 < len(lines) and _FENCE.match(lines[j + 1])):
-            raise ValueError(f"README.md:{j + 1}: marker not right before a code fence")
+            raise ValueError(f"{name}:{j + 1}: marker not right before a code fence")
     return blocks
 
 
@@ -130,31 +138,78 @@ def missing_output(expect: str, printed: str) -> str | None:
     return None
 
 
-def _python_blocks() -> list[Block]:
-    with open(README, encoding="utf-8") as f:
-        return [b for b in parse_blocks(f.read()) if b.language in _PYTHON]
+def documents() -> list[str]:
+    """README.md and every Markdown page of the documentation, relative to the repository."""
+    pages = []
+    for root, dirs, files in os.walk(DOCS):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("_") and d != "notebooks")
+        pages += [os.path.join(root, f) for f in sorted(files) if f.endswith(".md")]
+    return ["README.md"] + [os.path.relpath(p, REPO) for p in pages]
 
 
-def _block_id(block: Block) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", block.heading.lower()).strip("-")
-    return f"L{block.line}-{slug}"
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a block appears: the document, its line, its section and what it shows after it."""
+
+    document: str
+    line: int
+    heading: str
+    expect: str | None
+    skip: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Code:
+    """One python block's code, with every place it appears (the same code runs once)."""
+
+    code: str
+    places: tuple[Place, ...]
+
+    @property
+    def skip(self) -> str | None:
+        """The skip reason when every place skips it (one place that runs it is enough)."""
+        reasons = [p.skip for p in self.places]
+        return None if None in reasons else reasons[0]
+
+
+def _python_blocks() -> list[Code]:
+    places: dict[str, list[Place]] = {}
+    for document in documents():
+        with open(os.path.join(REPO, document), encoding="utf-8") as f:
+            for b in parse_blocks(f.read(), document):
+                if b.language in _PYTHON:
+                    place = Place(document, b.line, b.heading, b.expect, b.skip)
+                    places.setdefault(b.code, []).append(place)
+    return [Code(code, tuple(where)) for code, where in places.items()]
+
+
+def _block_id(block: Code) -> str:
+    first = block.places[0]
+    page = os.path.splitext(first.document.removeprefix("docs" + os.sep))[0].replace(os.sep, "/")
+    slug = re.sub(r"[^a-z0-9]+", "-", first.heading.lower()).strip("-")
+    return f"{page}-L{first.line}-{slug}"
 
 
 BLOCKS = _python_blocks()
 
 
-def test_readme_has_python_blocks():
-    assert BLOCKS, "README.md has no ```python blocks"
+def _where(place: Place) -> str:
+    return f"{place.document}:{place.line} ({place.heading})"
+
+
+def test_documents_have_python_blocks():
+    assert any(p.document == "README.md" for b in BLOCKS for p in b.places), "README has none"
+    assert len({p.document for b in BLOCKS for p in b.places}) > 5, "the guides have none"
     skipped = [b for b in BLOCKS if b.skip]
     assert len(skipped) <= len(BLOCKS) // 2, "skip markers are for the exception"
 
 
 @pytest.mark.once  # public API only: `make test` runs it, `make test-newest` need not
 @pytest.mark.parametrize("block", BLOCKS, ids=[_block_id(b) for b in BLOCKS])
-def test_readme_block_runs(block, tmp_path):
+def test_block_runs(block, tmp_path):
     if block.skip:
-        pytest.skip(f"README.md:{block.line}: {block.skip}")
-    script = tmp_path / f"readme_l{block.line}.py"
+        pytest.skip(f"{_where(block.places[0])}: {block.skip}")
+    script = tmp_path / f"block_l{block.places[0].line}.py"
     script.write_text(block.code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "JAX_CHECK_TRACER_LEAKS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -168,22 +223,94 @@ def test_readme_block_runs(block, tmp_path):
         timeout=1800,  # a hang guard only: no test depends on how fast the machine is
     )
     assert proc.returncode == 0, (
-        f"README.md:{block.line} ({block.heading}) failed:\n{proc.stdout[-2000:]}\n"
-        f"{proc.stderr[-4000:]}"
+        f"{_where(block.places[0])} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
-    if block.expect is not None:
-        missing = missing_output(block.expect, proc.stdout)
-        assert missing is None, (
-            f"README.md:{block.line} ({block.heading}) does not print what the README shows "
-            f"after it; missing (in order): {missing!r}\nprinted:\n{proc.stdout[-3000:]}"
-        )
+    for place in block.places:
+        if place.expect is not None:
+            missing = missing_output(place.expect, proc.stdout)
+            assert missing is None, (
+                f"{_where(place)} does not print what the page shows after it; missing (in "
+                f"order): {missing!r}\nprinted:\n{proc.stdout[-3000:]}"
+            )
 
 
 def test_the_first_example_shows_its_output():
     """Issue 16: the README's first example printed a report saying the rewrite did nothing;
-    what it prints is now shown under it and checked."""
-    example = next(b for b in BLOCKS if b.heading == "Example")
-    assert example.expect and "FLOPs in half precision: 99.6%" in example.expect
+    what it prints is now shown under it and checked. The site's home page shows the same."""
+    example = next(b for b in BLOCKS if any(p.heading == "Example" for p in b.places))
+    shown = {p.document: p.expect for p in example.places}
+    assert {"README.md", os.path.join("docs", "index.md")} <= set(shown)
+    assert all(e and "FLOPs in half precision: 99.6%" in e for e in shown.values())
+
+
+def test_blocks_in_two_places_run_once():
+    assert len({b.code for b in BLOCKS}) == len(BLOCKS)
+    assert any(len(b.places) > 1 for b in BLOCKS)
+
+
+# --------------------------------------------------------------------------------------------
+# The API reference: one entry per public name.
+
+_ENTRY = re.compile(
+    r"^\.\. auto(?:function|class|data|exception):: jmp_rewrite\.(?P<auto>\w+)(?:\(.*\))?\s*$"
+    r"|^```\{py:(?:function|class|data|exception)\} (?:jmp_rewrite\.)?(?P<manual>\w+)",
+    re.M,
+)
+
+
+def reference_entries() -> list[str]:
+    """The public names that docs/api/*.md documents, once per entry."""
+    names = []
+    for page in sorted(os.listdir(os.path.join(DOCS, "api"))):
+        if page.endswith(".md"):
+            with open(os.path.join(DOCS, "api", page), encoding="utf-8") as f:
+                names += [m["auto"] or m["manual"] for m in _ENTRY.finditer(f.read())]
+    return names
+
+
+def test_every_public_name_has_one_reference_entry():
+    entries = reference_entries()
+    missing = sorted(set(jmp_rewrite.__all__) - set(entries))
+    assert not missing, f"public names without an entry in docs/api/*.md: {missing}"
+    stale = sorted(set(entries) - set(jmp_rewrite.__all__))
+    assert not stale, f"docs/api/*.md documents names that are not public: {stale}"
+    twice = sorted({n for n in entries if entries.count(n) > 1})
+    assert not twice, f"documented twice: {twice}"
+
+
+def test_reference_entry_pattern():
+    text = (
+        ".. autofunction:: jmp_rewrite.rewrite\n```{py:data} LEVELS\n.. autoclass:: x.Y\n"
+        ".. autofunction:: jmp_rewrite.paint(fun, *args, dtype)\n"
+    )
+    names = [m["auto"] or m["manual"] for m in _ENTRY.finditer(text)]
+    assert names == ["rewrite", "LEVELS", "paint"]
+
+
+def test_benchmark_plots_find_their_tables(tmp_path):
+    """The Benchmarks page's plots are drawn from its tables: a table edited out of shape
+    fails here (and in `make docs`), not as a stale plot."""
+    sys.path.insert(0, os.path.join(DOCS, "_ext"))
+    try:
+        import benchmark_plots
+    finally:
+        sys.path.pop(0)
+    benchmark_plots.main(DOCS, str(tmp_path))
+    drawn = sorted(p.name for p in tmp_path.iterdir())
+    assert len(drawn) == 6 and all(p.stat().st_size > 10_000 for p in tmp_path.iterdir()), drawn
+    rows = benchmark_plots.table(
+        [t for page in benchmark_plots.PAGES for t in _tables(benchmark_plots, page)],
+        "model",
+        "f32 TF32",
+    )
+    assert rows[1][0] == "GPT-2 small" and benchmark_plots.first(rows[1][1]) == 683.4
+    assert benchmark_plots.numbers("108.8 / 110.4") == [108.8, 110.4]
+    assert benchmark_plots.numbers("7.9% (`nnx.Embed(dtype=bf16)`)") == [7.9]
+
+
+def _tables(module, page: str) -> list:
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+        return module.tables(f.read())
 
 
 # --------------------------------------------------------------------------------------------
