@@ -221,7 +221,7 @@ def _one_hot(producer: Any) -> bool:
         return False
     name = producer.primitive.name
     if name == "convert_element_type":
-        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.floating)
+        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.inexact)  # not a real part
     return "one_hot" in str(producer.params.get("name", ""))
 
 
@@ -407,6 +407,26 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
                 + (" ..." if len(names) > 20 else "")
             )
     return sel
+
+
+def why_none(selection: Fp8Selection | None) -> str:
+    """Why a float8 choice runs no matmul in float8 (a sentence), or ``""`` when it runs
+    one; ``selection`` None: the program has no half-precision matmul (nothing painted)."""
+    if selection is not None and selection.dots:
+        return ""
+    if selection is None or not selection.left:
+        return (
+            "no matmul runs in half precision (float8 starts from the bfloat16 rewrite's "
+            "half-precision matmuls)"
+        )
+    counts: dict[str, int] = {}
+    for reason in selection.left.values():  # one example of each kind of reason
+        kind = reason.split(":")[0] if reason.startswith("shape:") else reason
+        key = next((r for r in counts if r.split(":")[0] == kind), reason)
+        counts[key] = counts.get(key, 0) + 1
+    n = len(selection.left)
+    parts = "; ".join(f"{c} x {r}" for r, c in counts.items())
+    return f"each of its {n} half-precision matmul{'s' * (n > 1)} stays bfloat16: {parts}"
 
 
 # -- numerics -----------------------------------------------------------------------------
