@@ -419,14 +419,16 @@ def why_none(selection: Fp8Selection | None) -> str:
             "no matmul runs in half precision (float8 starts from the bfloat16 rewrite's "
             "half-precision matmuls)"
         )
-    counts: dict[str, int] = {}
-    for reason in selection.left.values():  # one example of each kind of reason
-        kind = reason.split(":")[0] if reason.startswith("shape:") else reason
-        key = next((r for r in counts if r.split(":")[0] == kind), reason)
-        counts[key] = counts.get(key, 0) + 1
-    n = len(selection.left)
-    parts = "; ".join(f"{c} x {r}" for r, c in counts.items())
-    return f"each of its {n} half-precision matmul{'s' * (n > 1)} stays bfloat16: {parts}"
+    reasons = list(selection.left.values())
+    parts = [f"{reasons.count(r)} x {r}" for r in dict.fromkeys(reasons) if r[:6] != "shape:"]
+    shapes = [r for r in reasons if r[:6] == "shape:"]  # counted together, one example
+    if shapes:
+        first = ", the first of them" if len(set(shapes)) > 1 else ""
+        parts.insert(0, f"{len(shapes)} x {shapes[0]}{first}")
+    n = len(reasons)
+    return f"each of its {n} half-precision matmul{'s' * (n > 1)} stays bfloat16: " + "; ".join(
+        parts
+    )
 
 
 # -- numerics -----------------------------------------------------------------------------

@@ -367,7 +367,8 @@ def rewrite(
         program's blocks in float8 (forward e4m3 x e4m3, gradients with the cotangent in
         e5m2, per-tensor current scaling, float32 accumulation, bfloat16 result), the rest
         as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
-        cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding).
+        cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding). When it runs no
+        matmul in float8, a :class:`jmp_rewrite.Fp8NoneSelectedWarning` says why, once.
 
     Returns:
       The rewritten function (or, without ``fun``, a decorator producing one).
@@ -429,7 +430,8 @@ def rewrite_jaxpr(
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`rewrite`.
       infer_follows_allow: as in :func:`rewrite`.
-      fp8: as in :func:`rewrite`.
+      fp8: as in :func:`rewrite` (a :class:`jmp_rewrite.Fp8NoneSelectedWarning` on every
+        call that runs no matmul in float8).
 
     Returns:
       A new closed jaxpr (the input itself when nothing is painted).
