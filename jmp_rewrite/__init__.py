@@ -30,6 +30,7 @@ from jmp_rewrite._src.seed import (
 from jmp_rewrite._src.seed import (
     mixed_precision_graph_rewrite_enabled as mixed_precision_graph_rewrite_enabled,
 )
+from jmp_rewrite._src.settings import Fp8NoneSelectedWarning as Fp8NoneSelectedWarning
 from jmp_rewrite._src.settings import RewriteOffWarning as RewriteOffWarning
 from jmp_rewrite._src.settings import platform_dtype as platform_dtype
 
@@ -45,6 +46,7 @@ __all__ = (
     "Report",
     "explain",
     "EquationPaint",
+    "Fp8NoneSelectedWarning",
     "Fp8Rules",
     "OpLists",
     "PaintResult",

@@ -21,8 +21,14 @@ dataclass (so a counterexample prints as the Python literal that rebuilds it):
   under a ``cond`` every other trip), ``fori_loop`` or ``while_loop``, for 0, 1 or 6 trips,
   through a cycle of 1 to 4 carries (``c_i' = update(c_{i+1})``), optionally read by a matmul.
 
-Each block may be wrapped in ``jit``, ``checkpoint``, ``custom_jvp``, ``custom_vjp`` or a
-two-step ``scan`` that stacks its outputs; the program is run plain, under ``jax.grad`` (both
+* :class:`Complex` -- complex values between half matmuls (issue 28): an LRU or S5 diagonal
+  recurrence (``exp(dt * lam)``) over the rows of ``h``, an FFT long convolution, a complex
+  matmul with ``abs``/``conj``/``imag``; :class:`Kernel` -- a Pallas kernel (``interpret=True``):
+  the tutorial's gridded matmul or a flash attention, each with a plain-JAX ``custom_vjp``.
+
+Each block may be wrapped in ``jit``, ``checkpoint``, ``custom_jvp``, ``custom_vjp``, a
+two-step ``scan`` that stacks its outputs or a one-device ``shard_map`` (``h`` split on its
+batch axis, so parameters are ``pvary``-ed); the program is run plain, under ``jax.grad`` (both
 orders around the rewrite) or under ``jax.vmap`` (both orders). Programs are dtype-generic:
 the same code runs in float32 and, under ``jax.enable_x64``, in float64 (the oracle's truth,
 ``tests/test_oracle.py``).
@@ -33,6 +39,7 @@ Building blocks shared with ``tests/test_invariants.py``: its activations and lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec as P
 from test_invariants import ACTIVATIONS, LOSSES
 
 B, D, N = 8, 16, 32  # batch (= sequence), width, scatter-add updates
@@ -113,12 +122,27 @@ class State:
     wrappers: tuple[str, ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Complex:
+    kind: str = "lru"  # see COMPLEX_KINDS
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    kind: str = "matmul"  # matmul (Pallas's gridded tutorial kernel) | flash (attention)
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
 MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
 COPY_ROUTES = ("plain", "jit", "checkpoint", "cond_ones", "cond_const", "scan0", "fori_carried")
 UPDATES = ("sgd", "ema", "adam", "ode_div", "rk4", "clip", "project", "scatter", "ravel")
 UPDATES += ("square",)
 CARRIERS = ("step", "cond", "scan", "fori_loop", "while_loop", "scan_cond")
-WRAPPERS = ("jit", "checkpoint", "custom_jvp", "custom_vjp", "scan2")
+COMPLEX_KINDS = ("lru", "s5", "fft", "cmatmul")
+WRAPPERS = ("jit", "checkpoint", "custom_jvp", "custom_vjp", "scan2", "shard_map")
 TRANSFORMS = ("none", "grad_outer", "grad_inner", "vmap_outer", "vmap_inner")
 
 
@@ -363,6 +387,113 @@ def _state(i: int, blk: State, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Arr
     return h, outs
 
 
+def _complex(blk: Complex, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    """Complex values between half matmuls (issue 28 item 1): a diagonal linear recurrence
+    over the rows of ``h`` (an LRU: ``lam * c + B x``; S5: ``lam`` discretised as
+    ``exp(dt * lam)``), an FFT long convolution (Hyena, FNet), a complex matmul."""
+    w = p["w"][blk.k]
+    cdt = jnp.result_type(h.dtype, jnp.complex64)  # complex128 under x64
+    r, theta = 0.5 + 0.4 * jnp.tanh(p["s"][0]), p["s"][1] - 1.0  # |lam| in [0.68, 0.86]
+    if blk.kind == "fft":
+        n = 2 * D
+        k = jnp.exp(-jnp.arange(D, dtype=h.dtype) / 4) * p["g"]
+        y = jnp.fft.irfft(jnp.fft.rfft(h @ w, n=n) * jnp.fft.rfft(k, n=n), n=n)[:, :D]
+        return h + y, {}
+    if blk.kind == "cmatmul":
+        z = (h @ w).astype(cdt) @ (p["w"][(blk.k + 1) % 3] + 1j * p["w"][(blk.k + 2) % 3])
+        return jnp.abs(z) / 4 + jnp.real(z * jnp.conj(z)) / 16 + jnp.imag(z) / 4, {}
+    if blk.kind == "lru":
+        lam, gain = r * jnp.exp(1j * theta), jnp.ones((), cdt)
+    else:  # s5: a continuous-time lam discretised with a step dt
+        lam_c = -(1.0 - r) * 4.0 + 3j * theta
+        lam = jnp.exp(0.1 * p["s"][2] * lam_c)
+        gain = (lam - 1.0) / lam_c
+
+    def step(c, x):  # the rows of h as 4 steps of a batch of 2
+        c = lam * c + gain * (x @ w).astype(cdt)
+        return c, jnp.real(c) + jnp.abs(c) / 4
+
+    xs = h.reshape(4, B // 4, D)
+    _, ys = lax.scan(step, (0 * xs[0]).astype(cdt), xs)  # zeros varying as h (shard_map)
+    return ys.reshape(B, D), {}
+
+
+def _kernel(blk: Kernel, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    """A Pallas kernel (``interpret=True``) between half matmuls (issue 28 item 5), with a
+    plain-JAX backward pass (``custom_vjp``: a ``pallas_call`` is not differentiable)."""
+    w = p["w"][blk.k]
+    if blk.kind == "matmul":
+        return jnp.tanh(pallas_matmul(h @ w, p["w"][(blk.k + 1) % 3])), {}
+    q, k, v = (h @ p["w"][(blk.k + j) % 3] for j in range(3))
+    return h + pallas_attention(q, k, v), {}
+
+
+def _matmul_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] @ y_ref[...]
+
+
+def _pallas_matmul(x: jax.Array, y: jax.Array) -> jax.Array:
+    """The Pallas tutorial's gridded matmul."""
+    (m, k), n = x.shape, y.shape[1]
+    bm, bn = m // 2, n // 2
+    return pl.pallas_call(
+        _matmul_kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(2, 2),
+        in_specs=[
+            pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((k, bn), lambda i, j: (0, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        interpret=True,
+    )(x, y)
+
+
+def _flash_kernel(q_ref, k_ref, v_ref, o_ref, *, block: int):
+    q = q_ref[...]
+
+    def body(i, c):
+        m, total, acc = c
+        k, v = k_ref[pl.ds(i * block, block), :], v_ref[pl.ds(i * block, block), :]
+        s = jnp.dot(q, k.T) / math.sqrt(q.shape[-1])
+        m_new = jnp.maximum(m, s.max(-1))
+        e, fix = jnp.exp(s - m_new[:, None]), jnp.exp(m - m_new)
+        return m_new, total * fix + e.sum(-1), acc * fix[:, None] + jnp.dot(e, v)
+
+    n, dt = k_ref.shape[0] // block, q.dtype
+    init = (jnp.full((q.shape[0],), -jnp.inf, dt), jnp.zeros((q.shape[0],), dt), jnp.zeros_like(q))
+    _, total, acc = lax.fori_loop(0, n, body, init)
+    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+
+
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Flash attention over blocks of 4 queries and keys (online softmax)."""
+    (t, d), block = q.shape, 4
+    full = pl.BlockSpec((t, d), lambda i: (0, 0))
+    return pl.pallas_call(
+        functools.partial(_flash_kernel, block=block),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(t // block,),
+        in_specs=[pl.BlockSpec((block, d), lambda i: (i, 0)), full, full],
+        out_specs=pl.BlockSpec((block, d), lambda i: (i, 0)),
+        interpret=True,
+    )(q, k, v)
+
+
+def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    return jax.nn.softmax(q @ k.T / math.sqrt(q.shape[-1]), axis=-1) @ v
+
+
+def _with_reference_vjp(kernel: Callable[..., Any], reference: Callable[..., Any]) -> Any:
+    fun = jax.custom_vjp(kernel)
+    fun.defvjp(lambda *a: (kernel(*a), a), lambda a, g: jax.vjp(reference, *a)[1](g))
+    return fun
+
+
+pallas_matmul = _with_reference_vjp(_pallas_matmul, jnp.matmul)
+pallas_attention = _with_reference_vjp(_flash, attention_reference)
+
+
 # ------------------------------------------------------------------------------------------
 # Wrappers and the whole program
 # ------------------------------------------------------------------------------------------
@@ -389,6 +520,13 @@ def _wrap(fn: Callable[..., Any], wrapper: str) -> Callable[..., Any]:
         return _custom_jvp(fn)
     if wrapper == "custom_vjp":
         return _custom_vjp(fn)
+    if wrapper == "shard_map":  # on one device: h split on its batch axis, weights whole
+
+        def local(h, p):  # states made device-varying, as a loop carrying them needs
+            return fn(h, {**p, "s": [lax.pcast(v, "d", to="varying") for v in p["s"]]})
+
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
     assert wrapper == "scan2", wrapper
 
     def scanned(h, p):  # two steps; per-step outputs come back stacked
@@ -398,7 +536,7 @@ def _wrap(fn: Callable[..., Any], wrapper: str) -> Callable[..., Any]:
 
 
 def block_fn(i: int, blk: Any) -> Callable[[jax.Array, dict[str, Any]], Any]:
-    kinds = {Dense: _dense, Norm: _norm}
+    kinds = {Dense: _dense, Norm: _norm, Complex: _complex, Kernel: _kernel}
     if type(blk) in kinds:
         fn = lambda h, p: kinds[type(blk)](blk, h, p)  # noqa: E731
     else:
@@ -515,10 +653,16 @@ def state_blocks(draw: Any, transform: str = "none") -> State:
 
 @st.composite
 def any_block(draw: Any, transform: str = "none") -> Any:
-    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm"]))
+    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm", "complex"]))
     if kind == "state":
         return draw(state_blocks(transform))
     k = draw(st.integers(0, 2))
+    if kind == "complex":  # complex values, or a Pallas kernel: boundaries (issue 28)
+        if draw(st.booleans()):
+            return Complex(draw(st.sampled_from(COMPLEX_KINDS)), k, _wrappers(draw))
+        # (inside shard_map a kernel's out_shape must name its varying axes: not drawn)
+        wrappers = tuple(w for w in _wrappers(draw) if w != "shard_map")
+        return Kernel(draw(st.sampled_from(["matmul", "flash"])), k, wrappers)
     if kind == "attention":
         return Attention(
             spelling=draw(st.sampled_from(MASK_SPELLINGS)),

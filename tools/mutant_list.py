@@ -42,6 +42,9 @@ T_FP8 = "tests/test_fp8.py::"
 T_R4 = "tests/test_round4_numerics.py::"
 T_SYM = "tests/test_symbolic_shapes.py::"
 T_PINS = "tests/test_behaviour_pins.py::"
+T_CPLX = "tests/test_complex_values.py::"
+T_KERN = "tests/test_kernels.py::"
+T_FP8B = "tests/test_fp8_boundaries.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -848,7 +851,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "fp8.one_hot_in_float8",
         "fp8.py",
-        "        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.floating)",
+        "        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.inexact)  # not a real part",
         "        return False",
         T_FP8 + "test_one_hot_embeddings_stay_out",
         "a one-hot embedding matmul runs in float8",
@@ -881,7 +884,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.integers_not_frozen",
         "graph.py",
-        "    if is_float(var.aval.dtype) or o.frozen:",
+        "    if jnp.issubdtype(var.aval.dtype, jnp.inexact) or o.frozen:",
         "    if True:",
         T_R4 + "test_padded_rows_are_uniform_as_in_float32",
         "[21.1] a bias computed from an integer attention mask is not clamped: NaN rows",
@@ -1273,5 +1276,92 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if True:",
         T_SYM + "test_custom_rules_with_an_integer_output_at_a_symbolic_batch",
         "grad(rewrite(f)) of a custom_vjp with an integer output raises at a symbolic batch",
+    ),
+    # -- issue 28 (boundaries): complex values, kernels, float8 under shard_map
+    _m(
+        "graph.complex_values_frozen",
+        "graph.py",
+        "    if jnp.issubdtype(var.aval.dtype, jnp.inexact) or o.frozen:",
+        "    if is_float(var.aval.dtype) or o.frozen:",
+        T_CPLX + "test_a_value_read_from_a_complex_one_overflows_as_by_hand",
+        "[28.1] a complex value is taken for an integer one: frozen, so h.real is clamped",
+    ),
+    _m(
+        "graph.cast_from_complex_retargeted",
+        "graph.py",
+        "                n.is_cast &= not touches_complex(eqn)  # from complex: TF's Real, on no list",
+        "                n.is_cast &= True",
+        T_CPLX + "test_complex_programs_match_float32_as_hand_written_half",
+        "[28.1] a cast from complex feeding half matmuls is painted half (c64 -> f16)",
+    ),
+    _m(
+        "equations.complex_ops_float32",
+        "equations.py",
+        "    return bool(dtypes) and all(is_f32(d) for d in dtypes) and not touches_complex(eqn)",
+        "    return bool(dtypes) and all(is_f32(d) for d in dtypes)",
+        T_CPLX + "test_no_painting_decision_touches_a_complex_value",
+        "[28.1] abs(complex) is painted half under UNSAFE_FORCE_ALL",
+    ),
+    _m(
+        "fp8.real_part_one_hot",
+        "fp8.py",
+        "        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.inexact)  # not a real part",
+        "        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.floating)",
+        T_CPLX + "test_a_matmul_reading_a_real_part_is_no_one_hot_embedding",
+        "a weight GEMM reading a cast from complex is taken for a one-hot embedding",
+    ),
+    _m(
+        "equations.kernels_not_sealed",
+        "equations.py",
+        "    return any(not jc.is_array_aval(v.aval) for b in ho.held_jaxprs(eqn) for v in _boundary(b))",
+        "    return False",
+        (
+            T_KERN + "test_a_kernel_runs_as_written_between_half_matmuls",
+            T_KERN + "test_every_body_holder_runs_as_written_or_is_rewritten",
+        ),
+        "[28.5] a Pallas kernel's body is re-traced as arrays: get must be called on Ref types",
+    ),
+    _m(
+        "emit.kernel_bodies_rewritten",
+        "emit.py",
+        "        if not self.painting.changed or sealed(eqn):",
+        "        if not self.painting.changed:",
+        T_KERN + "test_a_kernel_runs_as_written_between_half_matmuls",
+        "[28.5] an opaque kernel's body is rewritten as a program of its own",
+    ),
+    _m(
+        "paint.kernels_unexplained",
+        "paint.py",
+        "    keep_kernels_as_written(g, p)\n",
+        "",
+        T_KERN + "test_explain_says_a_kernel_runs_as_written",
+        "[28.5] explain does not say that a kernel runs as written",
+    ),
+    _m(
+        "graph.ref_reads_frozen",
+        "graph.py",
+        "                o = NOWHERE if reads_refs(eqn) else o  # a Ref holds what was last written",
+        "                o = o",
+        T_KERN + "test_a_value_read_from_a_ref_is_computed_not_a_constant",
+        "[28.5] a Ref made from zeros is a constant: what is written into it is clamped",
+    ),
+    _m(
+        "origins.pvary_hides_parameters",
+        "origins.py",
+        "    | set(ANNOTATIONS)\n",
+        "",
+        (
+            T_FP8B + "test_float8_sees_through_shard_map",
+            T_FP8B + "test_a_state_updated_in_shard_map_stays_float32",
+        ),
+        "[28.6] fp8=True runs no float8 GEMM under shard_map; an SGD step there is rounded",
+    ),
+    _m(
+        "rewrite.fp8_none_silent",
+        "rewrite.py",
+        "        if why and why not in self._said_off:",
+        "        if False:",
+        T_FP8B + "test_fp8_selecting_nothing_says_why_once",
+        "[28.6] fp8=True selecting no matmul is silent",
     ),
 )

@@ -89,6 +89,13 @@ def var_aval(atom: Any) -> Any:
     return atom.aval
 
 
+def is_array_aval(aval: Any) -> bool:
+    """Whether ``aval`` is an array's (``ShapedArray``), not a mutable Ref's, a token's or
+    another abstract value's (a Ref's aval has a shape and dtype too, but is read with
+    ``get`` and written with ``swap``)."""
+    return isinstance(aval, jax.core.ShapedArray)
+
+
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
 

@@ -13,7 +13,7 @@ derivative wrappers are re-wrapped with ``jax.custom_jvp``/``jax.custom_vjp`` wh
 the *original* rule in float32, so ``jax.nn.relu``'s gradient at 0 or a user's backward pass
 keep being used. Equations holding other jaxprs (``custom_linear_solve``'s ``matvec`` and
 ``solve`` bodies, held in a named tuple) keep their signature and are rewritten inside as
-separate programs.
+separate programs; kernels (bodies over Refs: Pallas, ``run_state``) run as written.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.clamping import clamp, literal
 from jmp_rewrite._src.custom_rules import cast
-from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float
+from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float, sealed
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
 from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.paint import paint
@@ -443,9 +443,10 @@ class Emitter:
 
     def _opaque(self, eqn: Any, read: Any) -> list[Any]:
         """An equation holding jaxprs we do not see through: same signature, bodies
-        rewritten as programs of their own (run as written when nothing is painted)."""
+        rewritten as programs of their own (run as written when nothing is painted, and
+        always when a body is no program of arrays: a kernel, see ``equations.sealed``)."""
         invals = [read(a, a.aval.dtype) for a in eqn.invars]
-        if not self.painting.changed:
+        if not self.painting.changed or sealed(eqn):
             return bind(eqn, invals, eqn.params)
         params = {k: ho.map_held(v, self._rewrite_same_signature) for k, v in eqn.params.items()}
         return bind(eqn, invals, params)
@@ -456,8 +457,6 @@ class Emitter:
         inner = jc.open_jaxpr(value)
         if jc.is_open_jaxpr(value) and inner.constvars and not jc.consts_of(value):
             return value  # constvars bound elsewhere: leave such bodies alone
-        if any(not hasattr(v.aval, "shape") for v in [*inner.invars, *inner.outvars]):
-            return value  # tokens, refs: leave such bodies alone
         new = rewrite_closed(
             jc.make_closed(inner, jc.consts_of(value)),
             self.half,

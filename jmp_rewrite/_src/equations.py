@@ -36,6 +36,18 @@ def is_f32(dtype: Any) -> bool:
     return is_float(dtype) and np.dtype(dtype) == np.float32
 
 
+def is_complex(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def touches_complex(eqn: Any) -> bool:
+    """Whether an equation reads or gives a complex value. JAX shares ``abs``,
+    ``convert_element_type`` and ``dot_general`` between real and complex values; TF's
+    complex ops (ComplexAbs, Real, a Cast from complex) are on no list: there is no half
+    complex type, and a float32 part of a complex value is never rounded on its own."""
+    return any(is_complex(a.aval.dtype) for a in [*eqn.invars, *eqn.outvars])
+
+
 def unit_name(jit_name: str) -> str:
     """``transpose(jvp(log_softmax))`` -> ``log_softmax``."""
     match = _UNIT_NAME.match(jit_name or "")
@@ -77,9 +89,10 @@ def _float_atoms(atoms: Any) -> list[Any]:
 
 
 def eqn_is_float32(eqn: Any) -> bool:
-    """TF's ``IsFloat32``: every float value in or out is float32, and there is one."""
+    """TF's ``IsFloat32``: every float value in or out is float32, there is one, and no
+    complex value is (see :func:`touches_complex`)."""
     dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]
-    return bool(dtypes) and all(is_f32(d) for d in dtypes)
+    return bool(dtypes) and all(is_f32(d) for d in dtypes) and not touches_complex(eqn)
 
 
 def has_jaxpr_param(eqn: Any) -> bool:
@@ -87,8 +100,32 @@ def has_jaxpr_param(eqn: Any) -> bool:
     return bool(ho.held_jaxprs(eqn))
 
 
+def sealed(eqn: Any) -> bool:
+    """Whether an equation holds a body that is no program of arrays: one that takes, gives
+    or closes over a mutable Ref (a Pallas kernel, ``run_state``, a loop or ``jit`` writing a
+    ``jax.new_ref`` array), a token or another abstract value. JAX runs such a body against
+    state (a kernel's grid, its buffers), not as a function of values, so it cannot be traced
+    again at other dtypes; and a kernel is its author's precision decision. The equation
+    runs as written, its operands in the dtypes it was traced with."""
+    return any(not jc.is_array_aval(v.aval) for b in ho.held_jaxprs(eqn) for v in _boundary(b))
+
+
+def reads_refs(eqn: Any) -> bool:
+    """Whether an equation reads a Ref (or another value that is no array, a token): what it
+    reads is whatever was last written there, which the graph's dataflow does not follow."""
+    return any(not jc.is_array_aval(a.aval) for a in eqn.invars)
+
+
+def _boundary(body: Any) -> list[Any]:
+    inner = jc.open_jaxpr(body)
+    return [*inner.constvars, *inner.invars, *inner.outvars]
+
+
 def holds_allow_ops(eqn: Any, lists: Any) -> bool:
-    """Whether the jaxprs ``eqn`` holds (at any depth) contain a float32 allowlist op."""
+    """Whether the jaxprs ``eqn`` holds (at any depth) contain a float32 allowlist op that
+    the rewrite would paint (none in a :func:`sealed` equation)."""
+    if sealed(eqn):
+        return False
     for body in ho.held_jaxprs(eqn):
         for inner in jc.open_jaxpr(body).eqns:
             if lists.kind(op_key(inner, lists)) == "allow" and eqn_is_float32(inner):

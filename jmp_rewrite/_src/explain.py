@@ -50,6 +50,8 @@ class Report(ReportData):
         function inside ``jax.jit(rewrite(f))``, with that rewrite's dtype and lists).
       off_reason: why the rewrite is off (``dtype=None`` on a platform without fast half
         precision, as :func:`jmp_rewrite.rewrite` decides), else ``""``.
+      fp8_none: under ``fp8=True``, why no matmul runs in float8 (what
+        :class:`jmp_rewrite.Fp8NoneSelectedWarning` says), else ``""``.
     """
 
     def groups(self, by: str = "scope") -> list[explain_view.Group]:
@@ -400,4 +402,5 @@ def explain(
         residual_bytes_float32=before,
         residual_bytes_rewritten=after,
         explained=explained,
+        fp8_none=rewrite_lib.no_fp8_reason(painting, entry.config),
     )

@@ -67,6 +67,7 @@ PASS_WORDS = {
     "keep_output_copies_float32": "an output copied from an input stays bit-exact",
     "keep_state_updates_float32": "a state update (running average, optimizer step)",
     "keep_normalization_statistics_float32": "normalization statistics stay float32",
+    "keep_kernels_as_written": "a kernel (Pallas, run_state): runs as written, in its dtypes",
     "unit": "part of a fused unit",
 }
 

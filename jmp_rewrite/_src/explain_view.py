@@ -247,7 +247,7 @@ class Finding:
         ``half_carry`` (a loop carry in half precision that adds to itself every iteration),
         ``gradient_underflow`` (float16 backward matmuls with no loss scaling) or
         ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
-        shape).
+        shape) or ``float8_none`` (under ``fp8=True``, no matmul runs in float8).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -354,9 +354,30 @@ def lint(report: ReportData) -> list[Finding]:
         _gradient_underflow(report)
         + _half_carries(report)
         + findings
+        + _float8_none(report)
         + _float8_shapes(report)
         + chains
     )
+
+
+def _float8_none(report: ReportData) -> list[Finding]:
+    """Under ``fp8=True``: no matmul runs in float8 (``Fp8NoneSelectedWarning``'s reason)."""
+    if not report.fp8_none:
+        return []
+    return [
+        Finding(
+            kind="float8_none",
+            message=f"fp8=True runs no matmul in float8: {report.fp8_none}",
+            scope="",
+            source="",
+            equations=tuple(e.path for e in report.equations if e.float8_left),
+            change=(
+                "name the matmuls in jmp_rewrite.Fp8Rules(include=...), lower min_dim, or "
+                "set keep_first/keep_last=False; or drop fp8=True"
+            ),
+            risk="a small GEMM's quantization may cost more than float8 saves",
+        )
+    ]
 
 
 def _float8_shapes(report: ReportData) -> list[Finding]:

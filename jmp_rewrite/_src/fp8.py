@@ -222,7 +222,7 @@ def _one_hot(producer: Any) -> bool:
         return False
     name = producer.primitive.name
     if name == "convert_element_type":
-        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.floating)
+        return not jnp.issubdtype(producer.invars[0].aval.dtype, jnp.inexact)  # not a real part
     return "one_hot" in str(producer.params.get("name", ""))
 
 
@@ -408,6 +408,28 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
                 + (" ..." if len(names) > 20 else "")
             )
     return sel
+
+
+def why_none(selection: Fp8Selection | None) -> str:
+    """Why a float8 choice runs no matmul in float8 (a sentence), or ``""`` when it runs
+    one; ``selection`` None: the program has no half-precision matmul (nothing painted)."""
+    if selection is not None and selection.dots:
+        return ""
+    if selection is None or not selection.left:
+        return (
+            "no matmul runs in half precision (float8 starts from the bfloat16 rewrite's "
+            "half-precision matmuls)"
+        )
+    reasons = list(selection.left.values())
+    parts = [f"{reasons.count(r)} x {r}" for r in dict.fromkeys(reasons) if r[:6] != "shape:"]
+    shapes = [r for r in reasons if r[:6] == "shape:"]  # counted together, one example
+    if shapes:
+        first = ", the first of them" if len(set(shapes)) > 1 else ""
+        parts.insert(0, f"{len(shapes)} x {shapes[0]}{first}")
+    n = len(reasons)
+    return f"each of its {n} half-precision matmul{'s' * (n > 1)} stays bfloat16: " + "; ".join(
+        parts
+    )
 
 
 # -- numerics -----------------------------------------------------------------------------

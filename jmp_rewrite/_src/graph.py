@@ -18,7 +18,8 @@ propagation. The graph built here is therefore *flat*:
 * each ``scan`` ``xs``/``ys`` stream is a *clear* node (TF's TensorList writer->reader edge);
 * a ``jit`` whose name is on a list (``jit:log_softmax``...) is one node: TF's fused op;
 * other equations holding jaxprs (``custom_linear_solve``, ``reduce``, ...) are opaque
-  *unlisted* nodes, rewritten inside separately, as programs of their own.
+  *unlisted* nodes, rewritten inside separately, as programs of their own, or run as written
+  when a body is no program of arrays (a kernel over Refs, even a loop: ``equations.sealed``).
 
 Edges carry floating-point values only: TF's int/bool ports are separate vertices, so a deny
 op never taints float data through a comparison's boolean output.
@@ -44,6 +45,9 @@ from jmp_rewrite._src.equations import (
     is_f32,
     is_float,
     op_key,
+    reads_refs,
+    sealed,
+    touches_complex,
 )
 from jmp_rewrite._src.origins import (
     CONST,
@@ -87,8 +91,9 @@ def _operand_consumers(eqn: Any, rec: EqnRec) -> list[list[int]]:
 
 def _discrete(var: Any, o: Origin) -> Origin:
     """An integer or boolean value is frozen (see :class:`Origin`), wherever it comes from:
-    nothing differentiates through it (``attention_mask``, ``x > 0``, ``argmax(logits)``)."""
-    if is_float(var.aval.dtype) or o.frozen:
+    nothing differentiates through it (``attention_mask``, ``x > 0``, ``argmax(logits)``).
+    A complex value is computed from its floats (an LRU's state), and so is ``h.real``."""
+    if jnp.issubdtype(var.aval.dtype, jnp.inexact) or o.frozen:
         return o
     return dataclasses.replace(o, frozen=True)
 
@@ -324,7 +329,7 @@ class Graph:
             in_origins = [origin(a) for a in eqn.invars]
             self._backward = in_backward_pass(outer_backward, eqn)  # for its sub-scopes too
             key = op_key(eqn, self.lists, self._backward)
-            layout = ho.describe(eqn)
+            layout = None if sealed(eqn) else ho.describe(eqn)  # a kernel: opaque, as written
             out_origins = None
             if key.startswith("jit:") and layout is not None:
                 out, erec = self._unit(eqn, layout, key, ins, here, in_region, unit, in_origins)
@@ -354,12 +359,14 @@ class Graph:
                 )
                 n = self.nodes[node]
                 n.is_cast = name == "convert_element_type" and is_f32(eqn.params["new_dtype"])
+                n.is_cast &= not touches_complex(eqn)  # from complex: TF's Real, on no list
                 if opaque and process and not self.opaque_allow:
                     self.opaque_allow = holds_allow_ops(eqn, self.lists)
                 out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
             if out_origins is None:  # a leaf, opaque equation or fused unit
                 o = leaf_origin(eqn, self.lists.kind(key), in_origins)
+                o = NOWHERE if reads_refs(eqn) else o  # a Ref holds what was last written
                 if self.sentinel_limit is not None and not self._backward:
                     lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
                     if sentinel_scaled(eqn, in_origins, lits, self.sentinel_limit):

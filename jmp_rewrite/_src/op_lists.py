@@ -349,14 +349,14 @@ _def_clear("TF Identity/Snapshot", "copy")
 _def_clear("TF StopGradient/PreventGradient", "stop_gradient")
 _def_clear("TF IdentityN: an identity that only orders computation", "optimization_barrier")
 _def_clear("TF ZerosLike/OnesLike", "zeros_like")
+#: Annotations of one operand that compute nothing: each output element is the operand's
+#: (``origins`` hands a value's origin through them: a parameter made device-varying by
+#: ``shard_map``'s ``pvary`` is the parameter still).
+ANNOTATIONS = ("sharding_constraint", "layout_constraint", "reshard", "pvary", "pbroadcast")
 _def_clear(
     "no TF op: an annotation that computes nothing, like EnsureShape/Identity",
-    "sharding_constraint",
-    "layout_constraint",
+    *ANNOTATIONS,
     "device_put",
-    "reshard",
-    "pvary",
-    "pbroadcast",
 )
 _def_clear("no TF op: names a value for remat policies (checkpoint_name), like Identity", "name")
 _def_clear("no TF op: lifts a value into the trace, like Identity", "stage")
@@ -533,7 +533,7 @@ _def_structural(
     "fused_call",
 )
 _def_structural(
-    "stateful or kernel body over Refs: opaque, boundary dtypes kept",
+    "stateful or kernel body over Refs: opaque, runs as written in its traced dtypes",
     "run_state",
     "pallas_call",
 )

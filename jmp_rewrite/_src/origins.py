@@ -24,6 +24,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jmp_rewrite._src.op_lists import ANNOTATIONS
+
 
 def _is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
@@ -87,6 +89,7 @@ _PROJECTIONS = ("max", "min", "clamp")
 _MOVES = frozenset(
     {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "rev", "slice"}
     | {"dynamic_slice", "dynamic_update_slice", "gather", "scatter", "concatenate", "pad", "split"}
+    | set(ANNOTATIONS)
 )
 #: ``operand.at[i].add(updates)``: an addition, placed.
 SCATTER_COMBINES = frozenset({"scatter-add", "scatter_add", "scatter-sub", "scatter_sub"})

@@ -17,6 +17,7 @@ from jmp_rewrite._src.paint_additions import (
     inherit_unit_colours,
     keep_float32_reads_unrounded,
     keep_highest_precision_float32,
+    keep_kernels_as_written,
     keep_normalization_statistics_float32,
     keep_output_copies_float32,
     keep_state_updates_float32,
@@ -184,6 +185,7 @@ def paint(
     keep_normalization_statistics_float32(g, p)
     release_saturated_powers(g, p)
     keep_highest_precision_float32(g, p)
+    keep_kernels_as_written(g, p)
     add_allowlist_ops(g, p, force_all)
     if not p.allow and not g.opaque_allow:  # TF: "No allowlist ops found, nothing to do"
         p.changed = False

@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.equations import is_f32
+from jmp_rewrite._src.equations import is_f32, sealed
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.origins import COMBINES, SCATTER_COMBINES, updates_state
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
@@ -89,6 +89,16 @@ def keep_highest_precision_float32(g: Graph, p: Painting) -> None:
     """
     keep = [n.id for n in g.nodes if n.eqn is not None and p.processes(n) and _asks_float32(n.eqn)]
     _keep_float32(g, p, keep, "keep_highest_precision_float32")
+
+
+def keep_kernels_as_written(g: Graph, p: Painting) -> None:
+    """A kernel runs as written: an equation holding a body that is no program of arrays
+    (a Pallas kernel over Refs, ``run_state``, a loop writing a ``jax.new_ref`` array: see
+    ``equations.sealed``). Our addition (TF has no kernels in its graphs): its body is its
+    author's precision decision and is never re-emitted, and its operands are cast back to
+    the dtypes it was traced with. Recorded so that ``explain`` says why."""
+    keep = [n.id for n in g.nodes if n.eqn is not None and p.processes(n) and sealed(n.eqn)]
+    _keep_float32(g, p, keep, "keep_kernels_as_written")
 
 
 #: Structural vertices a state chain runs through: an inner loop's result linear in the state,

@@ -91,6 +91,7 @@ class ReportData:
     residual_bytes_rewritten: int | None
     explained: str = ""
     off_reason: str = ""
+    fp8_none: str = ""
 
     # -- totals ---------------------------------------------------------------------------
 
@@ -163,6 +164,8 @@ class ReportData:
                 f"{100 * (half - f8):.1f}% / {100 * (1 - half):.1f}%; float8 adds "
                 f"{self.float8_added_bytes:,} bytes (quantized operands and scales)"
             )
+        if self.fp8_none:
+            lines.append(f"float8: no matmul under fp8=True: {self.fp8_none}")
         if self.residual_bytes_float32 is not None:
             lines.append(
                 "bytes saved for the backward pass: "
@@ -225,6 +228,7 @@ class ReportData:
             "changed": self.changed,
             "explained": self.explained,
             "off_reason": self.off_reason,
+            "fp8_none": self.fp8_none,
             "totals": {
                 "equations": self.total,
                 "converted": len(self.converted),

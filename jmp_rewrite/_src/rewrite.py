@@ -22,13 +22,15 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import arguments, nnx_support
-from jmp_rewrite._src.emit import Emitter, rewrite_closed
+from jmp_rewrite._src import fp8 as fp8_lib
+from jmp_rewrite._src.emit import Emitter
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.settings import (
     _HALF_DTYPES_MSG,
+    Fp8NoneSelectedWarning,
     RewriteConfig,
     RewriteOffWarning,
     Settings,
@@ -75,6 +77,21 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
         fp8=config.fp8,
     )
     return graph, painting
+
+
+def no_fp8_reason(painting: Painting | None, config: RewriteConfig | None) -> str:
+    """Why float8 was asked for and runs no matmul (see ``fp8.why_none``), else ``""``."""
+    if config is None or config.fp8 is None:
+        return ""
+    return fp8_lib.why_none(painting.fp8 if painting is not None and painting.changed else None)
+
+
+def _warn_no_fp8(name: str, why: str) -> None:
+    warnings.warn(
+        f"{name} runs no matmul in float8 under fp8=True: {why}",
+        Fp8NoneSelectedWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 @dataclasses.dataclass
@@ -183,6 +200,10 @@ class _RewrittenFunction:
         if calls is not None:
             calls.append(self)
         entry, call = self._lookup(args, kwargs)
+        why = no_fp8_reason(entry.rewritten.painting, entry.rewritten.config)
+        if why and why not in self._said_off:
+            self._said_off.add(why)
+            _warn_no_fp8(f"rewrite({self._name})", why)
         out, state = entry.outputs.unflatten(entry.rewritten.emit(call.dynamic))
         if state is not None:
             nnx_support.write_back(call.nodes, state)
@@ -346,7 +367,8 @@ def rewrite(
         program's blocks in float8 (forward e4m3 x e4m3, gradients with the cotangent in
         e5m2, per-tensor current scaling, float32 accumulation, bfloat16 result), the rest
         as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
-        cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding).
+        cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding). When it runs no
+        matmul in float8, a :class:`jmp_rewrite.Fp8NoneSelectedWarning` says why, once.
 
     Returns:
       The rewritten function (or, without ``fun``, a decorator producing one).
@@ -408,7 +430,8 @@ def rewrite_jaxpr(
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`rewrite`.
       infer_follows_allow: as in :func:`rewrite`.
-      fp8: as in :func:`rewrite`.
+      fp8: as in :func:`rewrite` (a :class:`jmp_rewrite.Fp8NoneSelectedWarning` on every
+        call that runs no matmul in float8).
 
     Returns:
       A new closed jaxpr (the input itself when nothing is painted).
@@ -436,7 +459,13 @@ def rewrite_jaxpr(
         raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_HALF_DTYPES_MSG}")
     validate_fp8(dtype, fp8)
     config = resolve_config(dtype, lists, level, infer_follows_allow, fp8)
-    return rewrite_closed(closed_jaxpr, config.dtype, config.lists, None, config.options)
+    graph, painting = analyse(closed_jaxpr, config)
+    why = no_fp8_reason(painting, config)
+    if why:
+        _warn_no_fp8("rewrite_jaxpr", why)
+    if not painting.changed:
+        return closed_jaxpr
+    return Emitter(graph, painting, config.dtype, config.options).trace_program(closed_jaxpr)
 
 
 @dataclasses.dataclass(frozen=True)

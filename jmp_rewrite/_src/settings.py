@@ -108,6 +108,16 @@ class RewriteOffWarning(UserWarning):
     """
 
 
+class Fp8NoneSelectedWarning(UserWarning):
+    """``fp8=True`` (or :class:`~jmp_rewrite.Fp8Rules`) runs no matmul of a rewritten
+    function in float8: every half-precision matmul stayed bfloat16 (too small, the first or
+    last weight GEMM, activation x activation, excluded) or none runs in half precision.
+    The function runs as the bfloat16 rewrite; the message says why, once per function and
+    reason (``explain``'s report and ``lint()`` say it too). Silence it with
+    ``warnings.filterwarnings("ignore", category=jmp_rewrite.Fp8NoneSelectedWarning)``.
+    """
+
+
 _PLATFORM_RULE = (
     "dtype=None picks the half dtype by platform as TF does (float16 on CUDA GPUs of compute "
     "capability >= 7.0, bfloat16 on TPUs, none elsewhere)"
