@@ -247,7 +247,8 @@ class Finding:
         ``half_carry`` (a loop carry in half precision that adds to itself every iteration),
         ``gradient_underflow`` (float16 backward matmuls with no loss scaling) or
         ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
-        shape).
+        shape) or ``attention_unfused`` (under ``fuse_attention=True``, an attention left as
+        written, with the reason).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -355,8 +356,30 @@ def lint(report: ReportData) -> list[Finding]:
         + _half_carries(report)
         + findings
         + _float8_shapes(report)
+        + _unfused_attention(report)
         + chains
     )
+
+
+def _unfused_attention(report: ReportData) -> list[Finding]:
+    """Under ``fuse_attention=True``: each attention left as written, and why."""
+    return [
+        Finding(
+            kind="attention_unfused",
+            message=(
+                f"attention{_where(e.scope, e.source)} is not fused (its {e.phase} values "
+                f"matmul stays as written): {e.attention_left}"
+            ),
+            scope=e.scope,
+            source=e.source,
+            equations=(e.path,),
+            flops=e.flops,
+            change="write it as softmax(scale * q k^T + bias, masked) v, or leave it as it is",
+            risk="none: an attention left as written computes what it did",
+        )
+        for e in report.equations
+        if e.attention_left
+    ]
 
 
 def _float8_shapes(report: ReportData) -> list[Finding]:
