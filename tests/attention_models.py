@@ -33,9 +33,22 @@ def _normal(rng, shape, std):
     return jnp.asarray(rng.standard_normal(shape) * std, jnp.float32)
 
 
-def gpt():
+def _flax_like(rng, path, shape):
+    """Flax's default initial values, drawn with NumPy (running Flax's init costs seconds):
+    LeCun-normal kernels, N(0, 1/features) embeddings, unit scales, zero biases."""
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    name = next(n for n in reversed(names) if n != "value")  # NNX: a Param's value
+    if name in ("kernel", "embedding"):
+        fan_in = shape[-1] if name == "embedding" else math.prod(shape[:-1])
+        if len(shape) == 3 and name == "kernel" and shape[0] > shape[1]:
+            fan_in = shape[0]  # attention's query/key/value kernels: (features, heads, dim)
+        return _normal(rng, shape, fan_in**-0.5)
+    return jnp.ones(shape, jnp.float32) if name == "scale" else jnp.zeros(shape, jnp.float32)
+
+
+def gpt(layers: int = 1):
     """The GPU benchmark's GPT (einsum, ``where(tril, s, finfo.min)``) at toy sizes."""
-    m = _gpu_models.gpt_model(layers=2, d_model=64, heads=2, seq=16, vocab=128, batch=2)
+    m = _gpu_models.gpt_model(layers=layers, d_model=64, heads=2, seq=16, vocab=128, batch=2)
     params = jax.tree.map(jnp.asarray, m.params)
     batch = (jnp.asarray(m.inputs), jnp.asarray(m.labels))
 
@@ -159,7 +172,9 @@ def linen():
     """A causal Linen decoder block (``nn.make_causal_mask``) predicting the next token."""
     rng = np.random.default_rng(4)
     tokens = jnp.asarray(rng.integers(0, 50, (B, T + 1)), jnp.int32)
-    params = LinenBlock().init(jax.random.key(0), tokens[:, :-1])["params"]
+    # Flax's shapes, NumPy's numbers (running init op by op costs seconds)
+    shapes = jax.eval_shape(LinenBlock().init, jax.random.key(0), tokens[:, :-1])["params"]
+    params = jax.tree_util.tree_map_with_path(lambda p, a: _flax_like(rng, p, a.shape), shapes)
 
     def loss(params, batch, dtype=None):
         logits = LinenBlock(dtype=dtype).apply({"params": params}, batch[:, :-1])
@@ -187,12 +202,16 @@ def nnx_model():
     tokens = jnp.asarray(rng.integers(0, 50, (B, T)), jnp.int32)
     valid = jnp.asarray(np.arange(T)[None, :] < np.array(LENGTHS)[:, None])
     labels = jnp.asarray(rng.integers(0, 5, (B, T)), jnp.int32)
-    graphdef, params = nnx.split(NnxBlock(None, nnx.Rngs(0)), nnx.Param)
+    graphdefs, params = {}, None
+    for dtype in (None, jnp.bfloat16):  # the structure only: nothing computed
+        gd, shapes = nnx.split(nnx.eval_shape(lambda d=dtype: NnxBlock(d, nnx.Rngs(0))), nnx.Param)
+        graphdefs[dtype] = gd
+        if params is None:
+            params = jax.tree_util.tree_map_with_path(lambda p, a: _flax_like(rng, p, a.shape), shapes)
 
     def loss(params, batch, dtype=None):
         tokens, valid, labels = batch
-        gd = graphdef if dtype is None else nnx.graphdef(NnxBlock(dtype, nnx.Rngs(0)))
-        model = nnx.merge(gd, params)
+        model = nnx.merge(graphdefs[dtype], params)
         logits = model(tokens, valid)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return jnp.sum(per_token * valid) / jnp.sum(valid)

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_models import MODELS
+from attention_models import MODELS, gpt
 
 import jmp_rewrite
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import attention_emit
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 
@@ -41,6 +42,7 @@ def _selection(fn, *args):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the ``jax.nn.dot_product_attention`` calls the rewrite emits."""
+    attention_emit.cudnn_traceable()  # its probe (cached) is no call of the program's
     seen = []
     real = jax.nn.dot_product_attention
 
@@ -59,8 +61,8 @@ def calls(monkeypatch):
 def test_models_fuse_forward_and_backward_within_hand_written_error(name, calls):
     """rewrite(grad(f)) replaces forward and backward (one call per attention, its VJP
     reused); grad(rewrite(f)) the forward, which JAX differentiates. Both within bfloat16's
-    tolerance of float32 and no further than the hand-written bfloat16 model (the same
-    model with Flax's ``dtype=bfloat16``) or the same rewrite with attention as written."""
+    tolerance of float32 and no further from it than the hand-written bfloat16 model (the
+    same model with Flax's ``dtype=bfloat16``)."""
     loss, params, batch = MODELS[name]()
 
     def vg(dtype=None):
@@ -75,22 +77,18 @@ def test_models_fuse_forward_and_backward_within_hand_written_error(name, calls)
     calls.clear()
     fused = jax.jit(step)(params, batch)
     assert len(calls) == len(sel.fused)  # the backward is the forward call's VJP
-    unfused = jax.jit(jmp_rewrite.rewrite(vg(), dtype=BF16))(params, batch)
 
     inner = jmp_rewrite.rewrite(loss, dtype=BF16, fuse_attention=True)
     forward_only = _selection(inner, params, batch)
     assert len(forward_only.fused) == len(sel.fused)
     assert all(f.backward_at is None for f in forward_only.fused)
     outer = jax.jit(jax.value_and_grad(inner))(params, batch)
-    outer_unfused = jax.jit(jax.value_and_grad(jmp_rewrite.rewrite(loss, dtype=BF16)))(
-        params, batch
-    )
 
     err_hand = _rel(hand[1], ref[1])
-    for got, plain in ((fused, unfused), (outer, outer_unfused)):
+    for got in (fused, outer):
         err = _rel(got[1], ref[1])
         assert err < 5e-2  # bfloat16's tolerance (compare's default)
-        assert err <= 1.1 * max(err_hand, _rel(plain[1], ref[1])), (err, err_hand)
+        assert err <= 1.1 * err_hand, (err, err_hand)
         assert abs(float(got[0]) - float(ref[0])) <= 2e-2 * abs(float(ref[0]))
         assert jax.tree.map(lambda a: a.dtype, got[1]) == jax.tree.map(lambda a: a.dtype, ref[1])
 
@@ -181,6 +179,13 @@ SPELLINGS = {
         ),
         "causal+mask",
     ),
+    # a bias from the data, then the scale: the bias is scaled too
+    "bias_then_scale": (
+        lambda q, k, v, m: _out(
+            jax.nn.softmax((_einsum(q, k) + m[:, None, None, :] * 2.0) * 0.25), v
+        ),
+        "bias",
+    ),
     # GQA: one key/value head repeated for both query heads
     "gqa_repeat": (
         lambda q, k, v, m: _out(
@@ -218,16 +223,17 @@ def test_each_mask_spelling_fuses_with_its_meaning(spelling):
     assert bool(core.biases) == ("bias" in kind)
     assert core.guard_mask == (kind in ("mask", "causal+mask") and spelling != "window")
 
+    # Eagerly (the spellings share their shapes: JAX's per-primitive compilations are reused).
     ref = grad(q, k, v, PAD)
-    got = jax.jit(step)(q, k, v, PAD)
+    got = step(q, k, v, PAD)
     hand_loss = lambda *a: jnp.sum(jnp.tanh(_hand(att, *a)) * jnp.arange(D))  # noqa: E731
     hand = jax.value_and_grad(hand_loss, argnums=(0, 1, 2))(q, k, v, PAD)
-    unfused = jax.jit(jmp_rewrite.rewrite(grad, dtype=BF16))(q, k, v, PAD)
+    unfused = jmp_rewrite.rewrite(grad, dtype=BF16)(q, k, v, PAD)
     err = _rel(got[1], ref[1])
     assert err <= 1.1 * max(_rel(hand[1], ref[1]), _rel(unfused[1], ref[1]))
-    out = jax.jit(jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True))(q, k, v, PAD)
+    out = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)(q, k, v, PAD)
     want = att(q, k, v, PAD)
-    plain = jax.jit(jmp_rewrite.rewrite(att, dtype=BF16))(q, k, v, PAD)
+    plain = jmp_rewrite.rewrite(att, dtype=BF16)(q, k, v, PAD)
     assert out.dtype == jnp.float32 and out.shape == want.shape
     assert _rel(out, want) <= 1.1 * max(_rel(_hand(att, q, k, v, PAD), want), _rel(plain, want))
 
@@ -266,7 +272,9 @@ class _custom_jvp_softmax:
 
 
 @pytest.mark.parametrize(
-    "fill, spelling", [(FMIN, "where"), (-1e9, "where"), (FMIN, "additive"), (-jnp.inf, "where")]
+    "fill, spelling",
+    [(FMIN, "where"), (-1e9, "where"), (FMIN, "additive"), (-jnp.inf, "where")],
+    ids=["finfo-where", "1e9-where", "finfo-additive", "inf-where"],
 )
 def test_rows_without_keys_get_float32s_value(fill, spelling):
     """A batch whose keys are all padded: float32 gives uniform weights (the mean of the
@@ -431,7 +439,7 @@ def test_rewrite_jaxpr_and_paint_take_the_option():
 
 
 def test_explain_shows_each_fused_attention_and_the_bytes_it_saves():
-    loss, params, batch = MODELS["gpt"]()
+    loss, params, batch = gpt(layers=2)
     grad = jax.value_and_grad(lambda p, b: loss(p, b))
     fn = jax.jit(jmp_rewrite.rewrite(grad, dtype=BF16, fuse_attention=True))
     report = jmp_rewrite.explain(fn, params, batch)  # the rewrite's own setting

@@ -31,11 +31,12 @@ import jax
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import shapes
+from jmp_rewrite._src import shapes, source_info
 from jmp_rewrite._src.attention_joint import Unifier, reference
 from jmp_rewrite._src.attention_match import Core, Unfused, arrange, mask_value, match
 from jmp_rewrite._src.attention_view import View
 from jmp_rewrite._src.equations import is_float
+from jmp_rewrite._src.higher_order import bind
 
 #: A bias row at or below this everywhere masks the whole row (``finfo.min`` fills).
 ROW_MASKED = -1e30
@@ -164,8 +165,6 @@ class _Constants:
         ins = [self.value(a, depth + 1) for a in eqn.invars]
         if any(x is None for x in ins):
             return None
-        from jmp_rewrite._src.higher_order import bind
-
         with jax.ensure_compile_time_eval():
             outs = bind(eqn, [jax.numpy.asarray(x) for x in ins], eqn.params)
         for v, x in zip(eqn.outvars, outs, strict=True):
@@ -238,7 +237,7 @@ def _inputs(view: View, core: Core) -> list[Any]:
             if not jc.is_literal(a) and a not in made:
                 found[a] = None
     sides = (*core.masks, *core.biases, *([core.causal_mask] if core.causal_mask else []))
-    expected = [core.q, core.k, core.v, *(s.atom for s in sides)]
+    expected = [core.q, core.k, core.v, *(s.atom for s in sides if not jc.is_literal(s.atom))]
     extra = [a for a in found if a not in expected]
     if extra:
         raise Unfused(
@@ -291,9 +290,6 @@ class _Joint:
 
 def select(graph: Any, painting: Any) -> AttentionSelection:
     """The attentions of a painted graph to fuse, and why the others stay as written."""
-    from jmp_rewrite._src import source_info
-    from jmp_rewrite._src.facts import user_scope
-
     phases = source_info.origins(graph)
     sel = AttentionSelection()
     cache: dict[Any, Any] = {}
@@ -339,7 +335,7 @@ def select(graph: Any, painting: Any) -> AttentionSelection:
             what += ["with a bias" if core.biases else ""]
             desc = ", ".join(w for w in (kind, *what) if w)
             origin = phases.get(rec.node)
-            scope_name = origin.scope if origin is not None else user_scope(eqn)
+            scope_name = origin.scope if origin is not None else ""
             where = "/".join(n for n in scope_name.split("/") if "->" not in n)
             label = f"{where or scope.path.rstrip('/') or 'attention'} ({desc})"
             sel.fused.append(
