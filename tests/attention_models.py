@@ -207,7 +207,9 @@ def nnx_model():
         gd, shapes = nnx.split(nnx.eval_shape(lambda d=dtype: NnxBlock(d, nnx.Rngs(0))), nnx.Param)
         graphdefs[dtype] = gd
         if params is None:
-            params = jax.tree_util.tree_map_with_path(lambda p, a: _flax_like(rng, p, a.shape), shapes)
+            params = jax.tree_util.tree_map_with_path(
+                lambda p, a: _flax_like(rng, p, a.shape), shapes
+            )
 
     def loss(params, batch, dtype=None):
         tokens, valid, labels = batch

@@ -24,7 +24,6 @@ attention left as written has its reason (``AttentionSelection.left``), which
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -38,14 +37,12 @@ from jmp_rewrite._src.attention_view import View
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.higher_order import bind
 
-#: A bias row at or below this everywhere masks the whole row (``finfo.min`` fills).
-ROW_MASKED = -1e30
 #: Constant masks and biases up to this many elements are evaluated when painting (to find
 #: a causal mask, and whether a row is left without keys).
 _CONST_LIMIT = 1 << 24
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass
 class FusedAttention:
     """One attention replaced by a fused call.
 
@@ -57,7 +54,7 @@ class FusedAttention:
       forward_at: where the forward call is emitted (the P.V matmul).
       backward_at: where its VJP is emitted (None: no backward in the program).
       g: the cotangent of the output, read by the backward.
-      diff: the inputs differentiated (queries, keys, values, then biases).
+      diff: the inputs differentiated (of the queries, keys, values, then biases).
       grads: the program's vars for their cotangents (None where not computed).
       nodes: the graph nodes of the equations replaced.
       outputs: those whose values the fused call provides (output, cotangents).
@@ -199,14 +196,7 @@ def _decide_masks(core: Core, consts: _Constants) -> Core:
     guard_mask = any(m.const is None for m in kept)
     if const_keep is not None and not const_keep.any(axis=-1).all():
         guard_mask = True  # a constant mask with an empty row
-    guard_bias = False
-    for b in core.biases:
-        value = consts.value(b.atom)
-        if value is None or (value.max(initial=-math.inf) <= ROW_MASKED):
-            guard_bias = True
-    return dataclasses.replace(
-        core, masks=tuple(kept), guard_mask=guard_mask, guard_bias=guard_bias
-    )
+    return dataclasses.replace(core, masks=tuple(kept), guard_mask=guard_mask)
 
 
 def _closed(view: View, eqns: set[int], outputs: set[Any]) -> str:
@@ -260,7 +250,12 @@ class _Joint:
         eqns = [jaxpr.eqns[i] for i in sorted(core.eqns)]
         floats = [a for a in inputs[3:] if is_float(a.aval.dtype)]
         rest = [a for a in inputs[3:] if a not in floats]
-        for diff in ([core.q, core.k, core.v, *floats], [core.q, core.k, core.v]):
+        # What the program differentiates: everything first; then without the biases (a
+        # mask's bias), without the values or the queries and keys (an input, frozen).
+        q, k, v = core.q, core.k, core.v
+        tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [q, k], [v, *floats], [v]]
+        tries = [t for i, t in enumerate(tries) if t and t not in tries[:i]]
+        for diff in tries:
             order = [*diff, *(a for a in inputs[3:] if a not in diff)]
             key = (
                 tuple(str(e) for e in eqns),
@@ -283,8 +278,6 @@ class _Joint:
                     tuple(diff),
                     [m[a] for a in rj.outvars],
                 )
-            if len(diff) == 3:
-                break
         return None
 
 

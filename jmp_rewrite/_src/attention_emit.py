@@ -4,7 +4,8 @@ The queries, keys and values are moved to ``(batch, length, heads, head dim)`` a
 the rewrite's half dtype (cuDNN refuses float32); masks and biases stay the small arrays they
 broadcast from, moved to ``(batch|1, heads|1, queries|1, keys|1)``. On CUDA the call is
 cuDNN's flash attention (``implementation='cudnn'``: a mask or bias broadcast over queries or
-keys is broadcast first, which cuDNN needs; a bias is clamped to the half range and cast),
+keys is broadcast first, which cuDNN needs; a bias's finite values are clamped to the half
+range and cast, its infinities kept),
 elsewhere JAX's own (``'xla'``, whose logits are float32): the choice is made when the program
 is lowered (``lax.platform_dependent``), so one rewritten function runs on a CPU, compiles
 deviceless for an H100/H200 and runs on the card. The branch not taken is not lowered, nor
@@ -15,9 +16,12 @@ VJP, kept with the scope's values, is called where the program's backward of the
 was; where that is not at hand (``compare`` runs stretches of a program separately) the
 VJP is taken again from the inputs.
 
-A row the masks (or a bias at ``finfo.min``) may leave without keys gets the value float32
-gives it, from outside the kernel: the mean of the values for a finite fill (uniform
-weights), NaN for ``-inf``.
+A row a mask (a selection) may leave without keys gets the value float32 gives it, from
+outside the kernel: the mean of the values for a finite fill (uniform weights), NaN for
+``-inf``, and float32's gradient (none to the masked logits). An additive mask needs no
+guard: the bias is added to float32 logits as the program adds it, so such a row is what
+float32 makes it (uniform for ``finfo.min``, NaN for ``-inf``), and so is its gradient
+(which float32's differentiation passes to the queries and keys through the rounding).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.attention import ROW_MASKED, FusedAttention
+from jmp_rewrite._src.attention import FusedAttention
 from jmp_rewrite._src.attention_match import Core, Side, arrange, mask_value, place
 from jmp_rewrite._src.clamping import clamp
 from jmp_rewrite._src.custom_rules import cast
@@ -138,35 +142,28 @@ def attend(core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any
         )
     else:
         out = _dpa("xla", core, half, *args)
-    out = _guard(core, out, v4, bias, mask)
+    out = _guard(core, out, v4, mask)
     b, t, n, d = out.shape
     out = jnp.swapaxes(out, 1, 2).reshape((*core.batch, t, d))
     order = [*range(len(core.batch)), "t", "d"]
     return place(out, order, core.out_labels, tuple(core.o.aval.shape), jnp).astype(out_dtype)
 
 
-def _guard(core: Core, out: Any, v4: Any, bias: Any, mask: Any) -> Any:
-    """Rows left without keys: float32's value (see the module docstring)."""
-    if not (core.guard_mask and mask is not None) and not (core.guard_bias and bias is not None):
+def _guard(core: Core, out: Any, v4: Any, mask: Any) -> Any:
+    """Rows a mask leaves without keys: float32's value (see the module docstring). Its
+    gradient is float32's too: the values' is the uniform weights', the queries' and keys'
+    zero (a selection passes none to the masked logits)."""
+    if not core.guard_mask or mask is None:
         return out
-    ok = None
-    mean = jnp.mean(v4.astype(jnp.float32), axis=1, keepdims=True)  # (B, 1, N, D)
-    fallback = jnp.broadcast_to(mean, out.shape)
-    if core.guard_mask and mask is not None:
-        keep = mask
-        if core.causal:
-            t, s = out.shape[1], v4.shape[1]
-            keep = keep & jnp.tril(jnp.ones((t, s), bool))
-        ok = jnp.any(keep, axis=-1)  # (B|1, N|1, T|1)
-        if core.fill == -math.inf:
-            fallback = jnp.full(out.shape, jnp.nan, jnp.float32)
-    if core.guard_bias and bias is not None:
-        peak = jnp.max(bias, axis=-1)
-        bias_ok = peak > ROW_MASKED
-        nan_rows = jnp.swapaxes(peak == -jnp.inf, 1, 2)[..., None]
-        fallback = jnp.where(nan_rows, jnp.nan, fallback)
-        ok = bias_ok if ok is None else ok & bias_ok
-    ok = jnp.swapaxes(ok, 1, 2)[..., None]  # (B|1, T|1, N|1, 1)
+    keep = mask
+    if core.causal:
+        keep = keep & jnp.tril(jnp.ones((out.shape[1], v4.shape[1]), bool))
+    ok = jnp.swapaxes(jnp.any(keep, axis=-1), 1, 2)[..., None]  # (B|1, T|1, N|1, 1)
+    if core.fill == -math.inf:
+        fallback = jnp.full(out.shape, jnp.nan, jnp.float32)
+    else:
+        mean = jnp.mean(v4.astype(jnp.float32), axis=1, keepdims=True)  # (B, 1, N, D)
+        fallback = jnp.broadcast_to(mean, out.shape)
     return jnp.where(ok, out, fallback.astype(out.dtype))
 
 
@@ -220,22 +217,24 @@ class Fusion:
         return [], []
 
     def _call(self, em: Any, f: FusedAttention, read: Any):
+        """The fused call as a function of the inputs the program differentiates, and their
+        values (the others are read here and closed over)."""
         c = f.core
         qkv = [read(a, em.half if _is_f32(a) else None) for a in (c.q, c.k, c.v)]
         biases = [read(b.atom) for b in c.biases]
         masks = [read(m.atom) for m in c.masks]
         out_dtype = em.target(f.scope.eqns[c.pv].node, c.o.aval.dtype)
+        atoms = [c.q, c.k, c.v, *(b.atom for b in c.biases)]
+        values = [*qkv, *biases]
+        where = [atoms.index(a) for a in f.diff]
 
-        def fun(q, k, v, *diff_biases):
-            given = iter(diff_biases)
-            bs = [
-                next(given) if b.atom in f.diff else x
-                for b, x in zip(c.biases, biases, strict=True)
-            ]
-            return attend(c, em.half, out_dtype, q, k, v, bs, masks)
+        def fun(*diff):
+            args = list(values)
+            for i, x in zip(where, diff, strict=True):
+                args[i] = x
+            return attend(c, em.half, out_dtype, *args[:3], args[3:], masks)
 
-        diff = [*qkv, *(x for b, x in zip(c.biases, biases, strict=True) if b.atom in f.diff)]
-        return fun, diff
+        return fun, [values[i] for i in where]
 
     def _forward(self, em: Any, f: FusedAttention, env: dict[Any, Any], read: Any) -> None:
         fun, diff = self._call(em, f, read)

@@ -96,10 +96,10 @@ class Core:
     causal: bool = False
     #: the constant mask ``causal`` stands for (still read by the program's equations)
     causal_mask: Side | None = None
-    #: rows may be fully masked (a data mask or bias): the output's value there is set as
-    #: float32 sets it (uniform weights for a finite fill, NaN for -inf)
+    #: a mask may leave rows without keys (a data mask): the output's value there is set as
+    #: float32 sets it (uniform weights for a finite fill, NaN for -inf). A bias needs no
+    #: such guard: added in float32, as the program adds it, it gives float32's value.
     guard_mask: bool = False
-    guard_bias: bool = False
 
 
 def _same(view: View, a: Val, b: Val) -> bool:
@@ -248,7 +248,9 @@ def side(view: View, val: Val, labels: list[Label], tops: set[int]) -> Side:
     return found[0]
 
 
-def sides(view: View, val: Val, labels: list[Label], tops: set[int], split: bool = True) -> list[Side]:
+def sides(
+    view: View, val: Val, labels: list[Label], tops: set[int], split: bool = True
+) -> list[Side]:
     """The arrays a mask or bias operand (whose dims have ``labels``) broadcasts from,
     through broadcasts, transposes, size-1 reshapes, casts, (for a mask) one comparison with
     a constant and (``split``) the ``and`` of masks (``tril & padding``: each its own, so a
