@@ -31,7 +31,7 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import shapes, source_info
-from jmp_rewrite._src.attention_joint import Unifier, reference
+from jmp_rewrite._src.attention_joint import Unifier, forward_text, reference
 from jmp_rewrite._src.attention_match import Core, Unfused, arrange, mask_value, match
 from jmp_rewrite._src.attention_view import View
 from jmp_rewrite._src.equations import is_float
@@ -171,8 +171,8 @@ class _Constants:
 
 
 def _decide_masks(core: Core, consts: _Constants) -> Core:
-    """Causal masks become ``is_causal``; rows a mask or bias may leave without keys get the
-    float32 value from outside the fused kernel (``guard_*``)."""
+    """Causal masks become ``is_causal``; rows a mask may leave without keys get float32's
+    value from outside the fused kernel (``guard_mask``)."""
     order = [*range(len(core.batch)), "t", "s"]
     kept, const_keep = [], None
     for m in core.masks:
@@ -249,21 +249,14 @@ class _Joint:
         jaxpr = self.view.scope.jaxpr
         eqns = [jaxpr.eqns[i] for i in sorted(core.eqns)]
         floats = [a for a in inputs[3:] if is_float(a.aval.dtype)]
-        rest = [a for a in inputs[3:] if a not in floats]
         # What the program differentiates: everything first; then without the biases (a
         # mask's bias), without the values or the queries and keys (an input, frozen).
         q, k, v = core.q, core.k, core.v
         tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [q, k], [v, *floats], [v]]
         tries = [t for i, t in enumerate(tries) if t and t not in tries[:i]]
         for diff in tries:
-            order = [*diff, *(a for a in inputs[3:] if a not in diff)]
-            key = (
-                tuple(str(e) for e in eqns),
-                tuple(jc.abstract_key(a.aval) for a in order),
-                tuple(order.index(a) for a in order),
-                len(diff),
-                tuple(map(str, rest)),
-            )
+            order = [*diff, *(a for a in inputs if a not in diff)]
+            key = (forward_text(eqns, order, core.o), len(diff))
             ref = self.cache.get(key)
             if ref is None:
                 ref = self.cache[key] = reference(eqns, order, len(diff), core.o)

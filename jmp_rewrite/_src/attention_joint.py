@@ -138,15 +138,28 @@ class _Sub:
         self.eqns, self.outvars = eqns, outvars
 
 
-def reference(eqns: list[Any], inputs: list[Any], n_diff: int, out: Any) -> Any:
-    """``(out, cotangents of inputs[:n_diff])`` of the forward ``eqns``, traced with
-    ``jax.vjp`` at the inputs' avals plus the cotangent of ``out`` (the last input)."""
+def _forward(eqns: list[Any], inputs: list[Any], out: Any):
     sub = _Sub(eqns, [out])
 
     def forward(*args: Any) -> Any:
         env = dict(zip(inputs, args, strict=True))
         _run(sub, env, {out})
         return env[out]
+
+    return forward
+
+
+def forward_text(eqns: list[Any], inputs: list[Any], out: Any) -> str:
+    """The forward ``eqns`` as the program ran them before it was differentiated, as text
+    (names canonical): equal texts, equal references."""
+    avals = [jc.abstract_value(a.aval) for a in inputs]
+    return str(jax.make_jaxpr(_forward(eqns, inputs, out))(*avals))
+
+
+def reference(eqns: list[Any], inputs: list[Any], n_diff: int, out: Any) -> Any:
+    """``(out, cotangents of inputs[:n_diff])`` of the forward ``eqns``, traced with
+    ``jax.vjp`` at the inputs' avals plus the cotangent of ``out`` (the last input)."""
+    forward = _forward(eqns, inputs, out)
 
     def joint(*args: Any) -> tuple[Any, ...]:
         diff, rest, g = args[:n_diff], args[n_diff:-1], args[-1]
