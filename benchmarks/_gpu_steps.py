@@ -35,6 +35,7 @@ class Variant:
     flax_dynamic_scale: bool = False  # flax.training.dynamic_scale.DynamicScale + jnp.where
     fp8: Any = False  # rewrite(..., fp8=True or Fp8Rules): weight GEMMs in float8
     qwix_fp8: bool = False  # hand-written: the same weight GEMMs through qwix's float8 dot
+    fuse_attention: bool = False  # rewrite(..., fuse_attention=True): cuDNN flash attention
 
     @property
     def tf32(self) -> bool | None:
@@ -63,6 +64,12 @@ VARIANTS = {
         Variant("rw-fp8", rewrite_dtype=jnp.bfloat16, fp8=True),
         # Its hand-written baseline: hand-bf16 with the GEMMs rw-fp8 picks run by qwix.
         Variant("hw-fp8-qwix", hand_dtype=jnp.bfloat16, qwix_fp8=True),
+        # Issue 31: attention replaced by cuDNN's flash attention (forward and backward).
+        Variant("rw-bf16-fused", rewrite_dtype=jnp.bfloat16, fuse_attention=True),
+        Variant(
+            "rw-f16-lso-fused", rewrite_dtype=jnp.float16, loss_scale=True, fuse_attention=True
+        ),
+        Variant("rw-fp8-fused", rewrite_dtype=jnp.bfloat16, fp8=True, fuse_attention=True),
     )
 }
 #: What runs without ``--variants`` (``f32-tf32`` only with ``--tf32``).
@@ -74,6 +81,7 @@ DEFAULT_VARIANTS = (
     "rw-f16-lso",
     "rw-f16-lso-select",
     "f32-tf32",
+    "rw-bf16-fused",
 )
 
 
@@ -158,7 +166,13 @@ def make_step(model: _gpu_models.Model, variant: Variant) -> tuple[Any, Any]:
 
     if variant.rewrite_dtype is not None:
         lists = jmp_rewrite.default_lists(jnp.float16) if variant.cuda_lists else None
-        step = jmp_rewrite.rewrite(step, dtype=variant.rewrite_dtype, lists=lists, fp8=variant.fp8)
+        step = jmp_rewrite.rewrite(
+            step,
+            dtype=variant.rewrite_dtype,
+            lists=lists,
+            fp8=variant.fp8,
+            fuse_attention=variant.fuse_attention,
+        )
     return tx, step
 
 

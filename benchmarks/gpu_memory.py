@@ -110,6 +110,8 @@ BY_DTYPE = {
     "bf16": ("rw-bf16", "hand-bf16"),
     "f16": ("rw-f16", "rw-f16-lso", "hand-f16", "hand-f16-dynscale"),
     "fp8": ("rw-fp8",),
+    # Issue 31: the rewrite with fuse_attention=True (cuDNN flash attention).
+    "fused": ("rw-bf16-fused", "rw-f16-lso-fused"),
 }
 #: Rewritten variant -> its hand-written counterpart.
 PAIRS = {
@@ -117,7 +119,13 @@ PAIRS = {
     "rw-f16": "hand-f16",
     "rw-f16-lso": "hand-f16-dynscale",
     "rw-fp8": "hand-bf16",
+    "rw-bf16-fused": "hand-bf16",
+    "rw-f16-lso-fused": "hand-f16-dynscale",
 }
+#: Fused variant -> the same rewrite with attention as written.
+FUSED = {"rw-bf16-fused": "rw-bf16", "rw-f16-lso-fused": "rw-f16-lso"}
+#: cuDNN's fused attention calls (forward, backward; with or without a bias).
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
 #: cuBLASLt's float8 GEMM in optimised XLA:GPU HLO; a Triton GEMM fusion fed float8 operands.
 _F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
 _F8_TRITON = re.compile(r"^.*\bfusion\(.*\bf8e\w*\[.*__triton_gemm.*$", re.MULTILINE)
@@ -201,6 +209,7 @@ def hlo_stats(text: str) -> dict[str, int]:
     stats["converts"] = len(re.findall(r"\bconvert\(", text))
     stats["float8_gemms"] = len(_F8_GEMM.findall(text))
     stats["float8_triton_fusions"] = len(_F8_TRITON.findall(text))
+    stats["fused_attention_calls"] = len(_FMHA.findall(text))
     return stats
 
 
@@ -275,9 +284,24 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def fused_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Peak memory and bytes moved of each fused variant over the unfused rewrite."""
+    out = {}
+    for fused, plain in FUSED.items():
+        a, b = variants.get(fused, {}), variants.get(plain, {})
+        if a.get("peak_bytes") and b.get("peak_bytes") and b.get("bytes_moved"):
+            out[f"{fused}/{plain}"] = {
+                "peak": a["peak_bytes"] / b["peak_bytes"],
+                "moved": a["bytes_moved"] / b["bytes_moved"],
+            }
+    return out
+
+
 def summarise(model: dict[str, Any]) -> None:
-    """Sets a model record's ``ratios`` and ``loss_scaling_kernels`` from its variants."""
+    """Sets a model record's ``ratios``, ``fused_ratios`` and ``loss_scaling_kernels`` from
+    its variants."""
     model["ratios"] = ratios(model["variants"])
+    model["fused_ratios"] = fused_ratios(model["variants"])
     model["loss_scaling_kernels"] = loss_scaling_kernels(model["variants"])
 
 
@@ -341,6 +365,12 @@ def print_table(result: dict[str, Any]) -> None:
                     f"{m['key']} {key}: {r['float8_gemms']} cuBLASLt float8 GEMMs, "
                     f"{r['float8_triton_fusions']} Triton GEMM fusions with float8 operands"
                 )
+    for m in result["models"].values():
+        for key, r in m["variants"].items():
+            if r.get("fused_attention_calls"):
+                print(f"{m['key']} {key}: {r['fused_attention_calls']} cuDNN fused attention calls")
+        for name, f in m.get("fused_ratios", {}).items():
+            print(f"{m['key']} {name}: peak {f['peak']:.3f}x, bytes moved {f['moved']:.3f}x")
     for m in result["models"].values():
         for name, n in m.get("loss_scaling_kernels", {}).items():
             was = m.get("before", {}).get("loss_scaling_kernels", {}).get(name)

@@ -97,6 +97,7 @@ class Attention:
     mask_input: bool = True  # the mask is an argument (else a captured constant)
     k: int = 0
     wrappers: tuple[str, ...] = ()
+    export_probs: bool = True  # the weights are an output too (never fused then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _attention(i: int, blk: Attention, h: jax.Array, p: dict[str, Any]) -> tuple
     if blk.before_scale:
         s = s * scale
     probs = jax.nn.softmax(s, axis=-1)
-    return probs @ h, {f"probs{i}": probs}
+    return probs @ h, ({f"probs{i}": probs} if blk.export_probs else {})
 
 
 def _copy(i: int, blk: Copy, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
@@ -687,6 +688,34 @@ def any_block(draw: Any, transform: str = "none") -> Any:
             wrappers=_wrappers(draw),
         )
     return Norm(kind=draw(st.sampled_from(["layer", "rms", "batch"])), wrappers=_wrappers(draw))
+
+
+@st.composite
+def attention_programs(draw: Any) -> Program:
+    """1 or 2 attention blocks that keep their weights to themselves (``fuse_attention``
+    replaces them, forward and backward), each maybe after a dense layer, as written or
+    differentiated before or after the rewrite."""
+    transform = draw(st.sampled_from(("none", "grad_outer", "grad_inner")))
+    chosen: list[Any] = []
+    for _ in range(draw(st.integers(1, 2))):
+        if draw(st.booleans()):
+            chosen.append(Dense(act=draw(st.sampled_from(sorted(ACTIVATIONS)))))
+        chosen.append(
+            Attention(
+                spelling=draw(st.sampled_from(MASK_SPELLINGS)),
+                before_scale=draw(st.booleans()),
+                mask_input=draw(st.booleans()),
+                k=draw(st.integers(0, 2)),
+                export_probs=False,
+            )
+        )
+    return Program(
+        blocks=tuple(chosen),
+        transform=transform,
+        final_dense=draw(st.booleans()),
+        loss=draw(st.sampled_from(sorted(LOSSES))),
+        seed=draw(st.integers(0, 1000)),
+    )
 
 
 @st.composite

@@ -77,6 +77,26 @@ def test_float8_gemms_are_counted():
     assert gpu_memory.hlo_stats(HLO)["float8_gemms"] == 0
 
 
+def test_fused_attention_calls_are_counted():
+    import gpu_memory
+
+    fmha = (
+        "  %custom-call.1 = (bf16[2,16,2,32]{3,2,1,0}, f32[2,2,16]{2,1,0}, u8[0]{0}) custom-call("
+        "bf16[2,16,2,32]{3,2,1,0} %q, bf16[2,16,2,32]{3,2,1,0} %k, bf16[2,16,2,32]{3,2,1,0} %v), "
+        'custom_call_target="__cudnn$fmhaSoftmax", backend_config={}\n'
+    )
+    bwd = fmha.replace("fmhaSoftmax", "fmhaScaleBiasSoftmaxBackward").replace(".1 ", ".2 ")
+    assert gpu_memory.hlo_stats(HLO + fmha + bwd)["fused_attention_calls"] == 2
+    assert gpu_memory.hlo_stats(HLO)["fused_attention_calls"] == 0
+    variants = {
+        "rw-bf16": {"peak_bytes": 100, "bytes_moved": 200},
+        "rw-bf16-fused": {"peak_bytes": 50, "bytes_moved": 120},
+    }
+    assert gpu_memory.fused_ratios(variants) == {
+        "rw-bf16-fused/rw-bf16": {"peak": 0.5, "moved": 0.6}
+    }
+
+
 def test_baseline_fills_in_variants_not_compiled_now():
     import gpu_memory
 
@@ -116,12 +136,16 @@ def test_smoke_run_on_the_host(tmp_path):
         "--variants",
         "rw-bf16",
         "hand-bf16",
+        "rw-bf16-fused",
     )
     assert result["meta"]["platform"] == "cpu" and result["meta"]["smoke"] is True
     gpt = result["models"]["gpt"]
-    assert set(gpt["variants"]) == {"rw-bf16", "hand-bf16"}
+    assert set(gpt["variants"]) == {"rw-bf16", "hand-bf16", "rw-bf16-fused"}
     for rec in gpt["variants"].values():
         assert rec["peak_bytes"] > 0 and rec["temp_bytes"] >= 0, rec
         assert rec["kernels"] > 0 and rec["bytes_moved"] > 0 and rec["converts"] > 0, rec
-    assert set(gpt["ratios"]) == {"rw-bf16/hand-bf16"}
+    assert set(gpt["ratios"]) == {"rw-bf16/hand-bf16", "rw-bf16-fused/hand-bf16"}
+    fused = gpt["fused_ratios"]["rw-bf16-fused/rw-bf16"]  # the host's figures: no cuDNN here
+    assert fused["peak"] > 0 and fused["moved"] > 0
+    assert gpt["variants"]["rw-bf16-fused"]["fused_attention_calls"] == 0
     assert "| gpt | rw-bf16 |" in stdout

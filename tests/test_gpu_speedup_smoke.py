@@ -33,8 +33,12 @@ VARIANTS = (
     "rw-f16-lso",
     "rw-f16-lso-select",
     "f32-tf32",
+    "rw-bf16-fused",
+    "rw-fp8-fused",
 )
 HALF = ("rw-bf16", "rw-bf16-cuda-lists", "hand-bf16", "rw-f16-lso", "rw-f16-lso-select")
+#: Attentions per model at the smoke sizes (one layer each).
+ATTENTIONS = {"gpt": 1, "resnet50": 0, "vit": 1}
 FLOAT32 = ("f32", "f32-tf32")
 # A script over the public API: `make test` runs it, `make test-newest` need not.
 pytestmark = pytest.mark.once
@@ -43,7 +47,8 @@ pytestmark = pytest.mark.once
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("gpu_speedup") / "smoke.json"
-    return run_script("gpu_speedup.py", out, "--tf32")
+    # the default variants (--tf32 adds f32-tf32), and float8 with fused attention
+    return run_script("gpu_speedup.py", out, "--tf32", "--variants", *VARIANTS)
 
 
 def test_meta_records_versions_device_and_tf32(smoke):
@@ -88,6 +93,11 @@ def test_half_variants_run_every_model_matmul_in_half_precision(smoke, model):
         assert variants[key]["half_matmuls"] == 0, key
     for key in ("f32", "rw-bf16", "hand-bf16"):
         assert variants[key]["region_matmuls"] == 0, key  # Adam has no matmuls
+    # Fused attention on a CPU is JAX's own attention: its float32 logits' gradient reaches
+    # the queries' and keys' gradient matmuls (two per attention) in float32; the rest is half.
+    fused = variants["rw-bf16-fused"]
+    assert fused["matmul_flops"] == flops
+    assert fused["matmuls"] - fused["half_matmuls"] == 2 * ATTENTIONS[model]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -96,7 +106,7 @@ def test_losses_train_and_track_float32(smoke, model):
     for key, r in rec["variants"].items():
         assert r["final_loss"] < r["first_loss"], key  # one fixed batch: training fits it
     summary = rec["summary"]["variants"]
-    for key in HALF:
+    for key in (*HALF, "rw-bf16-fused"):
         s = summary[key]
         assert s["first_loss_rel_diff_vs_f32"] < 1e-2, (key, s)
         assert s["max_loss_rel_diff_vs_f32"] < 5e-2, (key, s)
@@ -171,6 +181,20 @@ def test_summary_ratios_and_targets_on_made_up_records():
     assert targets["rw-f16-lso memory <= 1.05 x hand-bf16"] is False
     assert targets["rw-bf16 >= 1.8 x f32 (no TF32)"] is True  # 2 / (1 / 0.98) = 1.96
     assert "rw-f16-lso-select speed >= 0.97 x hand-bf16" not in targets
+    assert not any("fused" in k for k in targets)  # no fused variant ran
+
+
+def test_fused_attention_targets_on_made_up_records():
+    """Issue 31: fused attention over the unfused rewrite, alone and with float8: 1.25x at
+    T1024, 1.4x from T4096."""
+    runs = {"rw-bf16": _record(1.3, 100), "rw-bf16-fused": _record(1.0, 60)}
+    runs |= {"rw-fp8": _record(1.2, 100), "rw-fp8-fused": _record(1.0, 60)}
+    short = gpu_speedup.summarise({"key": "gpt", "config": {"seq": 1024}, "variants": runs}, None)
+    assert short["variants"]["rw-bf16-fused"]["speedup_vs_unfused"] == pytest.approx(1.3)
+    assert short["targets"]["rw-bf16-fused >= 1.25 x rw-bf16"] is True
+    assert short["targets"]["rw-fp8-fused >= 1.25 x rw-fp8"] is False  # 1.2x
+    long = gpu_speedup.summarise({"key": "gpt", "config": {"seq": 4096}, "variants": runs}, None)
+    assert long["targets"]["rw-bf16-fused >= 1.4 x rw-bf16"] is False
 
 
 def test_summary_without_baselines_leaves_ratios_empty():

@@ -78,6 +78,7 @@ from program_gen import (
     Norm,
     Program,
     State,
+    attention_programs,
     programs,
     transformed,
 )
@@ -122,10 +123,12 @@ class Verdict:
         return "\n".join(self.problems.values())
 
 
-def run_versions(program: Program, dtype: Any, draws: int = DRAWS) -> dict[str, list[dict]]:
+def run_versions(
+    program: Program, dtype: Any, draws: int = DRAWS, **options: Any
+) -> dict[str, list[dict]]:
     """Each version's outputs (float64 numpy) per draw: float32, float64, rewrite, reference,
-    rewrite of the rewrite."""
-    rw = lambda f: jmp_rewrite.rewrite(f, dtype=dtype)  # noqa: E731
+    rewrite of the rewrite (``options``: more arguments of the rewrite)."""
+    rw = lambda f: jmp_rewrite.rewrite(f, dtype=dtype, **options)  # noqa: E731
     ref = lambda f: jmp_rewrite.rewrite(f, dtype=dtype, lists=reference_lists(dtype))  # noqa: E731
     versions: dict[str, Callable[..., Any]] = {
         "f32": jax.jit(transformed(program, lambda f: f)),
@@ -291,6 +294,23 @@ def test_generated_programs_against_the_oracle(dtype, data):
             raise
         return
     problems = unexplained(program, judge(program, dtype, out).problems)
+    assert not problems, f"{program}\n" + "\n".join(problems.values())
+
+
+@DTYPES
+@settings(
+    max_examples=EXAMPLES // 2,
+    deadline=None,
+    phases=PHASES,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_generated_attention_fused_against_the_oracle(dtype, data):
+    """Issue 31: ``fuse_attention=True`` on generated attention (Hugging Face's padded masks,
+    row 0 without keys, each spelling, both orders of ``grad``): the same oracle, the fused
+    call in place of the rewritten attention."""
+    program = data.draw(attention_programs(), label="program")
+    problems = judge(program, dtype, run_versions(program, dtype, fuse_attention=True)).problems
     assert not problems, f"{program}\n" + "\n".join(problems.values())
 
 

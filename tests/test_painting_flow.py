@@ -128,3 +128,21 @@ def test_float8_choice_lives_in_the_painting():
     assert paint(g).fp8 is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.fp8.dots = {}
+
+
+def test_the_fused_attention_choice_lives_in_the_painting():
+    """``fuse_attention``: which attentions are replaced is the painting's; painting twice
+    gives equal choices and leaves the graph as it was."""
+
+    def attention(q, k, v):
+        s = jnp.einsum("td,sd->ts", q, k) / 4.0
+        return jnp.sum(jax.nn.softmax(s) @ v)
+
+    args = [jax.random.normal(k, (8, 16)) for k in jax.random.split(jax.random.key(1), 3)]
+    g = _graph(jax.grad(attention, argnums=(0, 1, 2)), args, BF16)
+    before = _snapshot(g)
+    p = paint(g, attention=True)
+    assert _snapshot(g) == before
+    assert len(p.attention.fused) == 1 and p.attention.fused[0].backward_at is not None
+    assert paint(g, attention=True) == p
+    assert paint(g).attention is None

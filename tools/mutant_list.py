@@ -45,6 +45,7 @@ T_PINS = "tests/test_behaviour_pins.py::"
 T_CPLX = "tests/test_complex_values.py::"
 T_KERN = "tests/test_kernels.py::"
 T_FP8B = "tests/test_fp8_boundaries.py::"
+T_ATT = "tests/test_fused_attention.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -1363,5 +1364,89 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         T_FP8B + "test_fp8_selecting_nothing_says_why_once",
         "[28.6] fp8=True selecting no matmul is silent",
+    ),
+    # -- issue 31: fused attention (the matcher, the float32 meaning of what it fuses)
+    _m(
+        "attention.any_negative_fill_masks",
+        "attention_match.py",
+        "    if masks and not (fill == -math.inf or fill <= FILL_LIMIT):",
+        "    if masks and not (fill == -math.inf or fill < 0):",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[fill_100]",
+        "where(mask, s, -100) fused: its masked weights (exp(-100 - max), not 0) are dropped",
+    ),
+    _m(
+        "attention.inverted_where_not_negated",
+        "attention_match.py",
+        "                masks += [dataclasses.replace(s, coef=-1.0) for s in found]",
+        "                masks += found",
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[where_inverted]",
+        "where(pad, fill, s) fused as where(pad, s, fill): the padded keys attended, not the rest",
+    ),
+    _m(
+        "attention.divisor_taken_as_factor",
+        "attention_match.py",
+        '            c = 1.0 / c if name == "div" else c',
+        "            c = c",
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[iota_matmul_inf]",
+        "s / sqrt(d) fused as s * sqrt(d)",
+    ),
+    _m(
+        "attention.bias_not_scaled_with_the_logits",
+        "attention_match.py",
+        "            biases = [dataclasses.replace(b, coef=b.coef * c) for b in biases]",
+        "            biases = list(biases)",
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[bias_then_scale]",
+        "(s + bias) * c fused as s * c + bias",
+    ),
+    _m(
+        "attention.any_constant_mask_is_causal",
+        "attention.py",
+        "            and all(np.array_equal(x, tril) for x in same)",
+        "            and True",
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[window]",
+        "a constant local-window mask run as cuDNN's causal mask",
+    ),
+    _m(
+        "attention.forward_alone_though_read_elsewhere",
+        "attention.py",
+        "    if not why:",
+        "    if True:",
+        (
+            T_ATT + "test_weights_read_elsewhere_stay_as_written",
+            T_ATT + "test_models_fuse_forward_and_backward_within_hand_written_error[gpt]",
+        ),
+        "the forward replaced while its probabilities are returned or read by the backward pass",
+    ),
+    _m(
+        "attention.fused_in_a_float32_region",
+        "attention.py",
+        "        if graph.nodes[node].region:",
+        "        if False:",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[float32_region]",
+        "attention inside a float32_region run in bfloat16 by the fused call",
+    ),
+    _m(
+        "attention.vjp_emitted_at_the_last_backward_equation",
+        "attention.py",
+        "    backward_at = min(j for j in matched if g in view.scope.jaxpr.eqns[j].invars)",
+        "    backward_at = max(j for j in matched if g in view.scope.jaxpr.eqns[j].invars)",
+        T_ATT + "test_models_fuse_forward_and_backward_within_hand_written_error[gpt]",
+        "the fused VJP emitted after the program has read a cotangent it gives",
+    ),
+    _m(
+        "attention.inf_fill_rows_uniform",
+        "attention_emit.py",
+        "    if core.fill == -math.inf:",
+        "    if False:",
+        T_ATT + "test_rows_without_keys_get_float32s_value[inf-where]",
+        "a row without keys under a -inf fill: uniform weights where float32 gives NaN",
+    ),
+    _m(
+        "attention.empty_rows_zero",
+        "attention_emit.py",
+        "        fallback = jnp.broadcast_to(mean, out.shape)",
+        "        fallback = jnp.zeros(out.shape, jnp.float32)",
+        T_ATT + "test_rows_without_keys_get_float32s_value[finfo-where]",
+        "a row without keys set to 0 where float32's uniform weights give the values' mean",
     ),
 )

@@ -99,7 +99,11 @@ def _records(
 ) -> tuple[list[EquationComparison], int | None, list[str]]:
     records, notes = [], []
     first: tuple[int, int] | None = None
+    chosen = painting.attention
+    fused = set().union(*(f.nodes - f.outputs for f in chosen.fused)) if chosen else set()
     for n in graph.nodes:
+        if n.id in fused:
+            continue  # replaced by a fused attention: never run in the rewritten program
         runs_f32, runs_half = ref_runs.get(n.id, 0), half.runs.get(n.id, 0)
         if not _has_float_output(n) or not (runs_f32 or runs_half):
             continue
@@ -217,6 +221,7 @@ def compare(
     tolerance: float | None = None,
     infer_follows_allow: bool = True,
     fp8: Any = False,
+    fuse_attention: bool = False,
     **kwargs: Any,
 ) -> Comparison:
     """Runs ``fun`` in float32 and rewritten side by side, equation by equation.
@@ -271,6 +276,9 @@ def compare(
         formats; the summary gives their largest error), and a float8 matmul where a
         problem starts is noted with the :class:`jmp_rewrite.Fp8Rules` exclusion that keeps
         it bfloat16, not blamed on the lists.
+      fuse_attention: as in :func:`jmp_rewrite.rewrite`: a fused attention's output (and,
+        in a differentiated program, its inputs' cotangents) are compared at the equations
+        that produced them in the float32 run; the equations it replaces are not compared.
       **kwargs: keyword arguments for ``fun``.
 
     Returns:
@@ -295,12 +303,15 @@ def compare(
     if not callable(fun):
         raise TypeError(f"compare expects a callable, got {type(fun).__name__}: {fun!r}")
     settings_lib.validate_fp8(dtype, fp8)
+    settings_lib.validate_fuse_attention(fuse_attention)
     dt = settings_lib.validate_dtype(dtype)
     if dt is None:
         dt = settings_lib.platform_dtype() or np.dtype(jnp.float16)
     tol = _tolerance(tolerance, dt)
     _check_args(jax.tree.leaves((args, kwargs)))
-    return _compare(fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None, fp8)
+    return _compare(
+        fun, args, kwargs, dt, lists, level, tol, infer_follows_allow, None, fp8, fuse_attention
+    )
 
 
 @dataclasses.dataclass
@@ -329,9 +340,16 @@ def _compare(
     infer_follows_allow: bool,
     previous: _Reference | None,
     fp8: Any = False,
+    fuse_attention: bool = False,
 ) -> Comparison:
     fn = rewrite_lib.rewrite(
-        fun, dtype=dt, lists=lists, level=level, infer_follows_allow=infer_follows_allow, fp8=fp8
+        fun,
+        dtype=dt,
+        lists=lists,
+        level=level,
+        infer_follows_allow=infer_follows_allow,
+        fp8=fp8,
+        fuse_attention=fuse_attention,
     )
     entry, flat = fn.trace(*args, **kwargs)
     graph, config = entry.graph, entry.config
@@ -356,7 +374,17 @@ def _compare(
 
     def rerun(new_lists: op_lists_lib.OpLists) -> Comparison:
         return _compare(
-            fun, args, kwargs, dt, new_lists, level, tol, infer_follows_allow, reference, fp8
+            fun,
+            args,
+            kwargs,
+            dt,
+            new_lists,
+            level,
+            tol,
+            infer_follows_allow,
+            reference,
+            fp8,
+            fuse_attention,
         )
 
     return Comparison(

@@ -119,7 +119,7 @@ class Recorder(Staged, Hooks):
         self.seq = 0
         #: While a straight-line segment is traced: the (node, values) recorded so far.
         self.pending: list[tuple[int, list[Any]]] | None = None
-        self._plans: dict[int, list[Any]] = {}
+        self._plans: dict[Any, list[Any]] = {}
         self._segments: dict[Any, Any] = {}
         self._segment_nodes: dict[tuple[int, int], list[int]] = {}
 
@@ -159,7 +159,7 @@ class Recorder(Staged, Hooks):
     def execute(self, em: Emitter, scope: ScopeRec, env: dict[Any, Any], read: Any) -> None:
         if self.pending is not None:  # already inside a segment being traced
             return super().execute(em, scope, env, read)
-        for step in self._plan(scope):
+        for step in self._plan(scope, em):
             if isinstance(step, int):
                 em.execute(scope, env, read, step, step + 1)
                 continue
@@ -192,13 +192,19 @@ class Recorder(Staged, Hooks):
 
         return segment
 
-    def _plan(self, scope: ScopeRec) -> list[Any]:
+    def _plan(self, scope: ScopeRec, em: Emitter) -> list[Any]:
         """The scope's equations as steps: an index (run alone, eagerly) or a segment
         ``(start, end, in_vars, out_vars)`` of consecutive flat equations."""
-        plan = self._plans.get(id(scope))
+        key = (id(scope), em.fusion is not None)
+        plan = self._plans.get(key)
         if plan is not None:
             return plan
         jaxpr = scope.jaxpr
+        # What each equation reads and writes as it runs (a fused attention's differ).
+        io = [
+            em.fusion.io(scope, k, e) if em.fusion is not None else (e.invars, e.outvars)
+            for k, e in enumerate(jaxpr.eqns)
+        ]
         flat = [_flat(rec) for rec in scope.eqns]
         plan = []
         i = 0
@@ -212,22 +218,19 @@ class Recorder(Staged, Hooks):
                 j += 1
             defined: set[Any] = set()
             in_vars: dict[Any, None] = {}  # ordered set
-            for eqn in jaxpr.eqns[i:j]:
-                for a in eqn.invars:
+            for reads, writes in io[i:j]:
+                for a in reads:
                     if not jc.is_literal(a) and a not in defined:
                         in_vars[a] = None
-                defined.update(v for v in eqn.outvars if not jc.is_drop_var(v))
-            later = {a for eqn in jaxpr.eqns[j:] for a in eqn.invars if not jc.is_literal(a)}
+                defined.update(v for v in writes if not jc.is_drop_var(v))
+            later = {a for reads, _ in io[j:] for a in reads if not jc.is_literal(a)}
             later.update(a for a in jaxpr.outvars if not jc.is_literal(a))
             out_vars = [
-                v
-                for eqn in jaxpr.eqns[i:j]
-                for v in eqn.outvars
-                if not jc.is_drop_var(v) and v in later
+                v for _, writes in io[i:j] for v in writes if not jc.is_drop_var(v) and v in later
             ]
             plan.append((i, j, list(in_vars), out_vars))
             i = j
-        self._plans[id(scope)] = plan
+        self._plans[key] = plan
         return plan
 
     # -- control: higher-order equations -----------------------------------------------------

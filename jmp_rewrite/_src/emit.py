@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import custom_rules, shapes
+from jmp_rewrite._src import attention_emit, custom_rules, shapes
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.clamping import clamp, literal
@@ -187,6 +187,9 @@ class Emitter:
         #: > 0 while a body is being traced for re-binding (values are tracers there).
         self.depth = 0
         self.where = ""
+        #: fused attentions (``fuse_attention=True``): run at their equations, or None
+        chosen = painting.attention
+        self.fusion = attention_emit.Fusion(chosen) if chosen is not None and chosen.fused else None
 
     # -- dtype decisions -----------------------------------------------------------------
 
@@ -240,6 +243,8 @@ class Emitter:
         for i in range(start, end):
             eqn, rec = jaxpr.eqns[i], scope.eqns[i]
             self.where = self._path(scope, eqn, rec)
+            if self.fusion is not None and self.fusion.step(self, scope, i, env, read):
+                continue
             if in_float32_region(jc.name_stack(eqn)):
                 with jax.named_scope(FLOAT32_REGION_SCOPE):
                     outs = self.step(eqn, rec, read)
@@ -552,6 +557,7 @@ def rewrite_closed(
         force_all=options.get("force_all", False),
         fp8=options.get("fp8"),
         fp8_check=options.get("fp8_check", True),
+        attention=options.get("fuse_attention", False),
     )
     if not painting.changed:
         return closed

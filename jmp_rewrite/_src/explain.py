@@ -236,6 +236,12 @@ def _equation(
         }
     if fp8 is not None and n.id in fp8.left:
         extra["float8_left"] = fp8.left[n.id]
+    chosen = painting.attention
+    if chosen is not None and n.id in chosen.left:
+        extra["attention_left"] = chosen.left[n.id]
+    fused = chosen.of_node(n.id) if chosen is not None else None
+    if fused is not None and n.id == fused.scope.eqns[fused.core.pv].node:
+        extra["attention_saved"] = fused.saved_bytes
     if accumulates:  # a half carry adding to itself: named by its addition's line
         extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
@@ -283,6 +289,7 @@ def explain(
     infer_follows_allow: bool | None = None,
     residuals: bool = True,
     fp8: Any = None,
+    fuse_attention: bool | None = None,
     **kwargs: Any,
 ) -> Report:
     """Explains what :func:`jmp_rewrite.rewrite` does to ``fun`` at these arguments.
@@ -313,6 +320,10 @@ def explain(
       fp8: as in :func:`jmp_rewrite.rewrite` (None: the rewrite's own, else off); float8
         matmuls show with their formats (``EquationReport.float8``) and the summary splits
         the FLOPs into float8 / bfloat16 / float32.
+      fuse_attention: as in :func:`jmp_rewrite.rewrite` (None: the rewrite's own, else
+        off); each fused attention's equations show it (``EquationReport.attention``), the
+        summary counts them and the bytes they do not write, and ``lint()`` names each
+        attention left as written and why.
       **kwargs: example keyword arguments.
 
     Returns:
@@ -332,6 +343,8 @@ def explain(
     """
     settings_lib.validate_fp8(dtype, fp8)
     settings_lib.validate_dtype(dtype)
+    if fuse_attention is not None:
+        settings_lib.validate_fuse_attention(fuse_attention)
     target, jits = rewrite_lib.find_rewritten(fun)
     explained, static = "", None
     if target is not None:
@@ -342,12 +355,16 @@ def explain(
         if infer_follows_allow is None:
             infer_follows_allow = target.infer_follows_allow
         fp8 = target.fp8 if fp8 is None else fp8
+        if fuse_attention is None:
+            fuse_attention = target.fuse_attention
         dtype_words = "dtype=None" if target.dtype is None else f"dtype={target.dtype}"
         wrapper = f"rewrite({target._name}, {dtype_words})"
         wrapper = "jit(" * jits + wrapper + ")" * jits
         explained = f"{target._name}, the function inside {wrapper}, with its settings"
     follow = True if infer_follows_allow is None else infer_follows_allow
-    settings = settings_lib.effective_settings(dtype, lists, level, follow, fp8 or False)
+    settings = settings_lib.effective_settings(
+        dtype, lists, level, follow, fp8 or False, bool(fuse_attention)
+    )
     if settings.dtype is None:
         return Report("none", False, (), (), None, None, explained, settings.off_reason)
     fn = rewrite_lib.rewritten_with(fun, settings, static)

@@ -44,6 +44,9 @@ HALF_COLOUR = "#6aa84f"
 #: Matmuls run in float8 (``fp8=True``): a colour of their own, apart from half precision.
 FLOAT8_COLOUR = "#7b3fa0"
 FLOAT8_STYLE = f"background:{FLOAT8_COLOUR};color:#fff;font-weight:600"
+#: Equations replaced by a fused attention call (``fuse_attention=True``): their own colour.
+ATTENTION_COLOUR = "#0b7285"
+ATTENTION_STYLE = f"background:{ATTENTION_COLOUR};color:#fff;font-weight:600"
 
 #: TF's four lists (and "unlisted"), in words.
 LIST_MEANINGS = {
@@ -166,7 +169,10 @@ def _equation_rows(eqs: list[EquationReport], colours: dict[str, str], half: str
         precision = "half" if e.half else e.colour if floats else "no floats"
         style = "half" if e.half else "deny" if e.colour == "deny" else "float32"
         p_style = _PRECISION_STYLES[style if floats else "none"].format(half=half, **colours)
-        if e.float8:
+        if e.attention:  # replaced: the fused call computes it (never written out)
+            precision, p_style = "fused attention", ATTENTION_STYLE
+            title = html.escape(e.attention)
+        elif e.float8:
             precision, p_style = f"float8 {e.float8}", FLOAT8_STYLE
         elif e.float8_left:  # the reason a matmul stays half precision under fp8=True
             title = html.escape(f"{e.list} op, not float8: {e.float8_left}")
@@ -293,6 +299,8 @@ def _legend() -> str:
         f"style='{half}'>half</span> runs in half precision, <span class='tag' "
         f"style='{FLOAT8_STYLE}'>float8</span> a matmul with float8 operands (fp8=True; "
         "e4m3 forward, e5m2 cotangents; bfloat16 result), <span class='tag' "
+        f"style='{ATTENTION_STYLE}'>fused attention</span> an equation replaced by a fused "
+        "attention call (fuse_attention=True; cuDNN flash attention on CUDA), <span class='tag' "
         f"style='{deny}'>deny</span> is kept float32 by a deny-list op, <span class='tag' "
         f"style='{f32}'>float32</span> is left float32 (nothing made it half). The <b>why</b> "
         "column says which of TF's passes decided it, in words; hover a row for the pass's "

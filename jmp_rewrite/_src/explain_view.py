@@ -247,7 +247,9 @@ class Finding:
         ``half_carry`` (a loop carry in half precision that adds to itself every iteration),
         ``gradient_underflow`` (float16 backward matmuls with no loss scaling) or
         ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
-        shape) or ``float8_none`` (under ``fp8=True``, no matmul runs in float8).
+        shape), ``float8_none`` (under ``fp8=True``, no matmul runs in float8) or
+        ``attention_unfused`` (under ``fuse_attention=True``, an attention left as written,
+        with the reason).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -356,6 +358,7 @@ def lint(report: ReportData) -> list[Finding]:
         + findings
         + _float8_none(report)
         + _float8_shapes(report)
+        + _unfused_attention(report)
         + chains
     )
 
@@ -377,6 +380,27 @@ def _float8_none(report: ReportData) -> list[Finding]:
             ),
             risk="a small GEMM's quantization may cost more than float8 saves",
         )
+    ]
+
+
+def _unfused_attention(report: ReportData) -> list[Finding]:
+    """Under ``fuse_attention=True``: each attention left as written, and why."""
+    return [
+        Finding(
+            kind="attention_unfused",
+            message=(
+                f"attention{_where(e.scope, e.source)} is not fused (its {e.phase} values "
+                f"matmul stays as written): {e.attention_left}"
+            ),
+            scope=e.scope,
+            source=e.source,
+            equations=(e.path,),
+            flops=e.flops,
+            change="write it as softmax(scale * q k^T + bias, masked) v, or leave it as it is",
+            risk="none: an attention left as written computes what it did",
+        )
+        for e in report.equations
+        if e.attention_left
     ]
 
 

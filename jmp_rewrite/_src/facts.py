@@ -41,6 +41,9 @@ class EquationPaint:
         transformation wrappers removed, or ``""``.
       float8: under ``fp8=True``, the float8 formats of a matmul run in float8
         (``"e4m3 x e4m3"``; ``"e5m2 x e4m3"`` for a gradient GEMM), else ``""``.
+      attention: under ``fuse_attention=True``, for an equation replaced by a fused
+        attention call, which one (``"fused attention 0: h_0/attn (forward and backward,
+        causal)"``), else ``""``.
     """
 
     path: str
@@ -53,6 +56,7 @@ class EquationPaint:
     in_float32_region: bool
     scope: str = ""
     float8: str = ""
+    attention: str = ""
 
     @property
     def half(self) -> bool:
@@ -79,7 +83,14 @@ def equation_facts(graph: Graph, painting: Painting, node: Node) -> dict[str, An
         "in_float32_region": node.region,
         "scope": user_scope(eqn),
         "float8": _float8(painting, node.id) if changed else "",
+        "attention": _attention(painting, node.id) if changed else "",
     }
+
+
+def _attention(painting: Painting, node_id: int) -> str:
+    chosen = painting.attention
+    fused = chosen.of_node(node_id) if chosen is not None else None
+    return "" if fused is None else f"fused attention {fused.number}: {fused.label}"
 
 
 def _float8(painting: Painting, node_id: int) -> str:

@@ -235,6 +235,8 @@ class Graph:
         ]
         #: the program's input avals (``Origin.copy_of`` / ``derived`` index them).
         self.input_avals = [v.aval for v in jaxpr.invars]
+        #: the top jaxpr's constvars -> their values (a captured causal mask)
+        self.const_values = dict(zip(jaxpr.constvars, jc.consts_of(closed), strict=True))
         #: every float loop carry, as a state of its body (ids after the inputs').
         self.loop_states: list[LoopState] = []
         #: the carry nodes of loops known when painting to run zero times (a scan of length

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 
+from jmp_rewrite._src import attention as attention_lib
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.paint_additions import (
@@ -160,6 +161,7 @@ def paint(
     fp8: fp8_lib.Fp8Rules | None = None,
     fp8_check: bool = True,
     as_infer: frozenset[int] = frozenset(),
+    attention: bool = False,
 ) -> Painting:
     """Runs TF's passes, in TF's order, on ``g`` (which no pass changes).
 
@@ -171,6 +173,7 @@ def paint(
         changed painting, or None.
       fp8_check: an ``fp8`` pattern matching no matmul is an error.
       as_infer: deny nodes to paint as if they were on the infer list.
+      attention: choose the attentions to fuse (``fuse_attention=True``).
 
     Returns:
       The :class:`Painting`.
@@ -204,6 +207,8 @@ def paint(
         p.changed = False
     if fp8 is not None and p.changed:
         p.fp8 = fp8_lib.select(g, p, fp8, check_patterns=fp8_check)
+    if attention and p.changed:
+        p.attention = attention_lib.select(g, p)
     return p
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+from jmp_rewrite._src.attention import AttentionSelection
 from jmp_rewrite._src.fp8 import Fp8Selection
 from jmp_rewrite._src.graph import Node
 
@@ -30,6 +31,9 @@ class Painting:
       changed: False when TF's "No allowlist ops found, nothing to do" applies.
       fp8: the matmuls run in float8 (a :class:`~jmp_rewrite._src.fp8.Fp8Selection`), or
         None without ``fp8=True``.
+      attention: the attentions fused (an
+        :class:`~jmp_rewrite._src.attention.AttentionSelection`), or None without
+        ``fuse_attention=True``.
       kept: node id -> the pass that took it out of painting (kept float32; see
         ``paint_additions._keep_float32``): no longer processed, whatever its list.
       released: node id -> the pass that made it unlisted (a deny op that spreads nothing).
@@ -41,6 +45,7 @@ class Painting:
     painted_by: dict[int, str]
     changed: bool
     fp8: Fp8Selection | None = None
+    attention: AttentionSelection | None = None
     kept: dict[int, str] = dataclasses.field(default_factory=dict)
     released: dict[int, str] = dataclasses.field(default_factory=dict)
     as_infer: frozenset[int] = frozenset()

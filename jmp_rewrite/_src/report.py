@@ -45,6 +45,11 @@ class EquationReport(EquationPaint):
         line of that addition), else ``()``: it is rounded to half every iteration.
       float8_left: under ``fp8=True``, why a half-precision matmul stays bfloat16 (``shape:
         ...`` when only its shape kept it), else ``""``.
+      attention_left: under ``fuse_attention=True``, for the values matmul of an attention
+        left as written, why (a sentence), else ``""``.
+      attention_saved: for the values matmul of a fused attention, the bytes of the
+        intermediates (logits, probabilities, their cotangents) the fused call does not
+        write, else 0.
 
     ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
     ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
@@ -65,6 +70,8 @@ class EquationReport(EquationPaint):
     released_by: tuple[str, ...] = ()
     accumulates_through: tuple[str, ...] = ()
     float8_left: str = ""
+    attention_left: str = ""
+    attention_saved: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +146,11 @@ class ReportData:
             sum(math.prod(s) for s in e.in_shapes[:2]) + 8 for e in self.equations if e.float8
         )
 
+    @property
+    def fused_attention(self) -> list[str]:
+        """The fused attentions (``fuse_attention=True``), in program order."""
+        return list(dict.fromkeys(e.attention for e in self.equations if e.attention))
+
     def per_primitive(self) -> dict[str, dict[str, int]]:
         """``{primitive: {"half": n, "float32": m}}`` for every primitive in the program."""
         out: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"half": 0, "float32": 0})
@@ -166,6 +178,15 @@ class ReportData:
             )
         if self.fp8_none:
             lines.append(f"float8: no matmul under fp8=True: {self.fp8_none}")
+        fused = self.fused_attention
+        left = sum(1 for e in self.equations if e.attention_left)
+        if fused or left:
+            saved = sum(e.attention_saved for e in self.equations)
+            lines.append(
+                f"fused attention: {len(fused)} ({shapes.fmt(saved)} bytes of logits, "
+                f"probabilities and their gradients not written)"
+                + (f"; {left} left as written (see lint)" if left else "")
+            )
         if self.residual_bytes_float32 is not None:
             lines.append(
                 "bytes saved for the backward pass: "
@@ -235,6 +256,7 @@ class ReportData:
                 "casts": len(self.casts),
                 "half_flops_share": self.half_flops_share,
                 "float8_flops_share": self.float8_flops_share,
+                "fused_attention": len(self.fused_attention),
                 "residual_bytes_float32": shapes.jsonable(self.residual_bytes_float32),
                 "residual_bytes_rewritten": shapes.jsonable(self.residual_bytes_rewritten),
             },

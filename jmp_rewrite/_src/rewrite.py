@@ -39,6 +39,7 @@ from jmp_rewrite._src.settings import (
     resolve_config,
     validate_dtype,
     validate_fp8,
+    validate_fuse_attention,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -75,6 +76,7 @@ def analyse(closed: Any, config: RewriteConfig | None) -> tuple[Graph | None, Pa
         infer_follows_allow=config.infer_follows_allow,
         force_all=config.force_all,
         fp8=config.fp8,
+        attention=config.fuse_attention,
     )
     return graph, painting
 
@@ -114,6 +116,7 @@ class _RewrittenFunction:
         infer_follows_allow: bool,
         static: arguments.StaticArgs,
         fp8: Any = False,
+        fuse_attention: bool = False,
     ):
         # First: update_wrapper copies ``fun.__dict__`` (nnx.jit's and our own wrappers carry
         # attributes such as ``static_argnums`` or ``dtype``), which must not shadow ours.
@@ -125,6 +128,7 @@ class _RewrittenFunction:
         self.infer_follows_allow = infer_follows_allow
         self.static = static
         self.fp8 = fp8
+        self.fuse_attention = fuse_attention
         self._cache: dict[Any, _Entry] = {}
         # Traces per key with static Python numbers left out (to warn about re-tracing).
         self._churn: dict[Any, list[Any]] = {}
@@ -137,7 +141,12 @@ class _RewrittenFunction:
 
     def config(self) -> RewriteConfig | None:
         s = effective_settings(
-            self.dtype, self.lists, self.level, self.infer_follows_allow, self.fp8
+            self.dtype,
+            self.lists,
+            self.level,
+            self.infer_follows_allow,
+            self.fp8,
+            self.fuse_attention,
         )
         if s.dtype is None and s.off_reason not in self._said_off:
             self._said_off.add(s.off_reason)
@@ -146,7 +155,9 @@ class _RewrittenFunction:
                 RewriteOffWarning,
                 stacklevel=_user_stacklevel(),
             )
-        return resolve_config(s.dtype, s.lists, s.level, s.infer_follows_allow, s.fp8)
+        return resolve_config(
+            s.dtype, s.lists, s.level, s.infer_follows_allow, s.fp8, s.fuse_attention
+        )
 
     def _lookup(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         call = arguments.split_call(self.static, args, kwargs, self._name)
@@ -216,7 +227,9 @@ class _RewrittenFunction:
 
     def __repr__(self) -> str:
         fp8 = "" if not self.fp8 else f", fp8={self.fp8!r}"
-        return f"rewrite({getattr(self.fun, '__name__', self.fun)!r}, dtype={self.dtype}{fp8})"
+        fused = ", fuse_attention=True" if self.fuse_attention else ""
+        name = getattr(self.fun, "__name__", self.fun)
+        return f"rewrite({name!r}, dtype={self.dtype}{fp8}{fused})"
 
 
 # Rewritten functions called while ``explain`` traces (see :func:`recording_calls`).
@@ -270,6 +283,7 @@ def rewritten_with(fun: Callable[..., Any], settings: Settings, static: Any = No
         settings.infer_follows_allow,
         static,
         settings.fp8,
+        settings.fuse_attention,
     )
 
 
@@ -284,6 +298,7 @@ def rewrite(
     static_argnums: Any = ...,
     static_argnames: Any = ...,
     fp8: Any = ...,
+    fuse_attention: bool = ...,
 ) -> F: ...
 
 
@@ -298,6 +313,7 @@ def rewrite(
     static_argnums: Any = ...,
     static_argnames: Any = ...,
     fp8: Any = ...,
+    fuse_attention: bool = ...,
 ) -> Callable[[F], F]: ...
 
 
@@ -311,6 +327,7 @@ def rewrite(
     static_argnums=None,
     static_argnames=None,
     fp8=False,
+    fuse_attention=False,
 ):
     """Rewrites ``fun`` to run in mixed precision, as TF's ``auto_mixed_precision`` would.
 
@@ -369,13 +386,20 @@ def rewrite(
         as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
         cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding). When it runs no
         matmul in float8, a :class:`jmp_rewrite.Fp8NoneSelectedWarning` says why, once.
+      fuse_attention: True replaces each attention -- ``softmax(scale * q k^T + bias,
+        masked) v``, forward and (in a differentiated program) backward -- by one
+        ``jax.nn.dot_product_attention`` call: cuDNN's flash attention on CUDA, JAX's own
+        elsewhere, in the half dtype. Attention whose meaning the fused call would change
+        (dropout on the weights, another normalisation, head dims cuDNN refuses, a
+        ``float32_region``) stays as written; ``explain(...).lint()`` says why.
 
     Returns:
       The rewritten function (or, without ``fun``, a decorator producing one).
 
     Raises:
-      TypeError: if ``fun`` is not callable, or ``static_argnums``/``static_argnames`` are
-        not ints/strs; when called, if a static value is not hashable.
+      TypeError: if ``fun`` is not callable, ``static_argnums``/``static_argnames`` are
+        not ints/strs, or ``fuse_attention`` is not a bool; when called, if a static value
+        is not hashable.
       ValueError: if ``dtype`` is not float16, bfloat16 or None, or a static index or name
         is not a parameter of ``fun``, or ``fp8`` is asked for with float16; when called, if
         an NNX object is declared static or ``fun`` changes the structure of one, or an
@@ -399,6 +423,7 @@ def rewrite(
     """
     validate_fp8(dtype, fp8)
     validate_dtype(dtype)
+    validate_fuse_attention(fuse_attention)
     # Checked here too so that a bad value fails at decoration, even without ``fun``.
     arguments.resolve_static(lambda *a, **k: None, static_argnums, static_argnames)
 
@@ -406,7 +431,9 @@ def rewrite(
         if not callable(f):
             raise TypeError(f"rewrite expects a callable, got {type(f).__name__}: {f!r}")
         static = arguments.resolve_static(f, static_argnums, static_argnames)
-        return _RewrittenFunction(f, dtype, lists, level, infer_follows_allow, static, fp8)  # type: ignore[return-value]
+        return _RewrittenFunction(  # type: ignore[return-value]
+            f, dtype, lists, level, infer_follows_allow, static, fp8, fuse_attention
+        )
 
     if fun is None:
         return decorate
@@ -421,6 +448,7 @@ def rewrite_jaxpr(
     level: str | None = None,
     infer_follows_allow: bool = True,
     fp8: Any = False,
+    fuse_attention: bool = False,
 ) -> Any:
     """Rewrites a closed jaxpr; the result has the same input and output avals.
 
@@ -432,6 +460,7 @@ def rewrite_jaxpr(
       infer_follows_allow: as in :func:`rewrite`.
       fp8: as in :func:`rewrite` (a :class:`jmp_rewrite.Fp8NoneSelectedWarning` on every
         call that runs no matmul in float8).
+      fuse_attention: as in :func:`rewrite`.
 
     Returns:
       A new closed jaxpr (the input itself when nothing is painted).
@@ -458,7 +487,7 @@ def rewrite_jaxpr(
     if dtype is None:
         raise ValueError(f"rewrite_jaxpr needs an explicit dtype: {_HALF_DTYPES_MSG}")
     validate_fp8(dtype, fp8)
-    config = resolve_config(dtype, lists, level, infer_follows_allow, fp8)
+    config = resolve_config(dtype, lists, level, infer_follows_allow, fp8, fuse_attention)
     graph, painting = analyse(closed_jaxpr, config)
     why = no_fp8_reason(painting, config)
     if why:
@@ -530,6 +559,7 @@ def paint_program(
     static_argnums: Any = None,
     static_argnames: Any = None,
     fp8: Any = False,
+    fuse_attention: bool = False,
     **kwargs: Any,
 ) -> PaintResult:
     """Paints ``fun`` at these arguments with TF's passes, without running it.
@@ -544,6 +574,8 @@ def paint_program(
       static_argnums: as in :func:`rewrite`.
       static_argnames: as in :func:`rewrite`.
       fp8: as in :func:`rewrite` (float8 matmuls show in ``EquationPaint.float8``).
+      fuse_attention: as in :func:`rewrite` (fused attentions show in
+        ``EquationPaint.attention``).
       **kwargs: example keyword arguments.
 
     Returns:
@@ -572,6 +604,7 @@ def paint_program(
         static_argnums=static_argnums,
         static_argnames=static_argnames,
         fp8=fp8,
+        fuse_attention=fuse_attention,
     )
     entry, _ = fn.trace(*args, **kwargs)
     return paint_result(entry.graph, entry.painting, entry.config)

@@ -79,6 +79,17 @@ def validate_fp8(dtype: Any, fp8: Any) -> Any:
     return rules
 
 
+def validate_fuse_attention(fuse_attention: Any) -> bool:
+    """``fuse_attention`` as a bool.
+
+    Raises:
+      TypeError: if it is not a bool.
+    """
+    if not isinstance(fuse_attention, bool | np.bool_):
+        raise TypeError(f"fuse_attention must be True or False, got {fuse_attention!r}")
+    return bool(fuse_attention)
+
+
 # Frames of these packages (and of Python's wrappers) are not where a user calls from.
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -171,6 +182,7 @@ class Settings:
       infer_follows_allow: TF's pass 4 switch.
       off_reason: why ``dtype`` is None (a sentence), else ``""``.
       fp8: the ``fp8`` argument (False, True or :class:`~jmp_rewrite.Fp8Rules`).
+      fuse_attention: the ``fuse_attention`` argument.
     """
 
     dtype: Any
@@ -179,10 +191,16 @@ class Settings:
     infer_follows_allow: bool
     off_reason: str = ""
     fp8: Any = False
+    fuse_attention: bool = False
 
 
 def effective_settings(
-    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool, fp8: Any = False
+    dtype: Any,
+    lists: Any,
+    level: str | None,
+    infer_follows_allow: bool,
+    fp8: Any = False,
+    fuse_attention: bool = False,
 ) -> Settings:
     """The settings :func:`rewrite` with these arguments uses now; ``explain`` uses the same.
 
@@ -190,7 +208,9 @@ def effective_settings(
     supplies its options when it is on, and the platform picks the dtype (TF's rule).
     """
     if dtype is not None:
-        return Settings(dtype, lists, level, infer_follows_allow, fp8=fp8)
+        return Settings(
+            dtype, lists, level, infer_follows_allow, fp8=fp8, fuse_attention=fuse_attention
+        )
     prefix = ""
     if GLOBAL.enabled:
         opts = GLOBAL.options
@@ -198,11 +218,18 @@ def effective_settings(
         level = opts.get("level", level)
         infer_follows_allow = opts.get("infer_follows_allow", infer_follows_allow)
         if opts.get("dtype") is not None:
-            return Settings(opts["dtype"], lists, level, infer_follows_allow, fp8=fp8)
+            return Settings(
+                opts["dtype"],
+                lists,
+                level,
+                infer_follows_allow,
+                fp8=fp8,
+                fuse_attention=fuse_attention,
+            )
         prefix = "enable_mixed_precision_graph_rewrite is on without a dtype, and "
     dtype, why = platform_choice()
     off = f"{prefix}{why}; {_FORCE_HINT}" if dtype is None else ""
-    return Settings(dtype, lists, level, infer_follows_allow, off, fp8)
+    return Settings(dtype, lists, level, infer_follows_allow, off, fp8, fuse_attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +242,8 @@ class RewriteConfig:
     infer_follows_allow: bool
     #: the float8 rules (:class:`~jmp_rewrite.Fp8Rules`), None without float8.
     fp8: Any = None
+    #: replace attention by fused calls (``fuse_attention=True``).
+    fuse_attention: bool = False
 
     @property
     def options(self) -> dict[str, Any]:
@@ -222,11 +251,17 @@ class RewriteConfig:
             "force_all": self.force_all,
             "infer_follows_allow": self.infer_follows_allow,
             "fp8": self.fp8,
+            "fuse_attention": self.fuse_attention,
         }
 
 
 def resolve_config(
-    dtype: Any, lists: Any, level: str | None, infer_follows_allow: bool, fp8: Any = False
+    dtype: Any,
+    lists: Any,
+    level: str | None,
+    infer_follows_allow: bool,
+    fp8: Any = False,
+    fuse_attention: bool = False,
 ) -> RewriteConfig | None:
     """The painting configuration, or None when the program is to be left unchanged.
 
@@ -246,7 +281,11 @@ def resolve_config(
     # runs on every eager call.
     env = tuple(sorted((k, v) for k, v in os.environ.items() if environment.is_ours(k)))
     config = _resolve_config(dt, lists, level, bool(infer_follows_allow), env)
-    return config if rules is None else dataclasses.replace(config, fp8=rules)
+    if rules is not None:
+        config = dataclasses.replace(config, fp8=rules)
+    if validate_fuse_attention(fuse_attention):
+        config = dataclasses.replace(config, fuse_attention=True)
+    return config
 
 
 @functools.lru_cache(maxsize=256)
