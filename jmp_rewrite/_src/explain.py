@@ -359,6 +359,25 @@ def explain(
             "its painting"
         )
         explained = f"{explained}; {note}" if explained else note
+    report = report_of(entry, explained)
+    # A program that already differentiates something (a train step): no residual figure.
+    has_backward = any(e.phase == source_info.BACKWARD for e in report.equations)
+    if not residuals or has_backward:
+        return report
+    before = _residual_bytes(fun, args, kwargs)
+    after = _residual_bytes(fn, args, kwargs) if before is not None else None
+    return dataclasses.replace(
+        report, residual_bytes_float32=before, residual_bytes_rewritten=after
+    )
+
+
+def report_of(
+    entry: rewrite_lib.Rewritten, explained: str = "", emitter: type[Emitter] = Emitter
+) -> Report:
+    """The :class:`Report` of a traced, painted program (``rewrite``'s cache entry), without
+    the residual figures: what :func:`explain` reports once it has traced the function.
+    ``emitter``: the emitter class that re-emits it to hear its casts (the goldens' names
+    the vertex of a cast in ``CastReport.where``)."""
     half = _short(entry.config.dtype)
     graph, painting = entry.graph, entry.painting
     trips = _trip_counts(graph)
@@ -383,21 +402,15 @@ def explain(
         )
     log = _CastLog()
     if painting.changed:  # re-emitted abstractly: the hook hears every cast
-        Emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log).trace_program(
+        emitter(graph, painting, entry.config.dtype, entry.config.options, hooks=log).trace_program(
             entry.closed
         )
-    before = after = None
-    # A program that already differentiates something (a train step): no residual figure.
-    has_backward = any(o.phase == source_info.BACKWARD for o in origins.values())
-    if residuals and not has_backward:
-        before = _residual_bytes(fun, args, kwargs)
-        after = _residual_bytes(fn, args, kwargs) if before is not None else None
     return Report(
         dtype=half,
         changed=painting.changed,
         equations=tuple(equations),
         casts=tuple(log.casts),
-        residual_bytes_float32=before,
-        residual_bytes_rewritten=after,
+        residual_bytes_float32=None,
+        residual_bytes_rewritten=None,
         explained=explained,
     )
