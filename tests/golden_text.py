@@ -320,16 +320,22 @@ def render(p: Painted) -> list[str]:
     return [normalise(line).rstrip() for line in lines]
 
 
+def paintings(case: Case) -> tuple[Any, list[tuple[str, Painted]]]:
+    """``case`` traced once, and its painting under each configuration, by header."""
+    closed = trace(case)
+    return closed, [(f"{HEADER}{case.name} [{c.label()}]", paint(closed, c)) for c in case.configs]
+
+
+def block(case: Case, header: str, painted: Painted) -> str:
+    """The golden text of one painting of ``case``."""
+    body = [f"# {case.note}"] if case.note else []
+    return "\n".join([header, *body, *render(painted)])
+
+
 def render_case(case: Case) -> list[tuple[str, str]]:
     """``(header, block)`` for every configuration of ``case`` (traced once)."""
-    closed = trace(case)
-    out = []
-    for config in case.configs:
-        header = f"{HEADER}{case.name} [{config.label()}]"
-        body = [f"# {case.note}"] if case.note else []
-        body += render(paint(closed, config))
-        out.append((header, "\n".join([header, *body])))
-    return out
+    _, painted = paintings(case)
+    return [(header, block(case, header, p)) for header, p in painted]
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Nothing is compiled: tracing and painting only (about 30 s of CPU for the whole 
 
 from __future__ import annotations
 
+import explain_oracle
 import golden_corpus
 import golden_text
 import pytest
@@ -20,24 +21,35 @@ import pytest
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 
 
-def family_blocks(family: str) -> dict[str, str]:
-    """Header -> block of every painting of ``family``, as the code paints it now."""
+def family_blocks(family: str, oracle: list[str] | None = None) -> dict[str, str]:
+    """Header -> block of every painting of ``family``, as the code paints it now; with
+    ``oracle``, the disagreements of explain's numbers with the independent count
+    (``tests/explain_oracle.py``) are appended to it."""
     blocks: dict[str, str] = {}
     for case in golden_corpus.FAMILIES[family]():
-        for header, block in golden_text.render_case(case):
+        closed, painted = golden_text.paintings(case)
+        for header, p in painted:
             assert header not in blocks, f"two programs named {header}"
-            blocks[header] = block
+            blocks[header] = golden_text.block(case, header, p)
+            if oracle is not None:
+                oracle += [f"{header}: {x}" for x in explain_oracle.problems(closed, p.report)]
     return blocks
 
 
 @pytest.mark.parametrize("family", list(golden_corpus.FAMILIES))
 def test_painting_goldens(family):
+    """The family's paintings are the blessed ones, and explain's FLOPs, trips and shares on
+    each agree with the independent count."""
     want = golden_text.expected(family)
     assert want, (
         f"no goldens for {family}: run {golden_text.BLESS_COMMAND} and commit "
         f"tests/goldens/{family}.golden"
     )
-    got = family_blocks(family)
+    oracle: list[str] = []
+    got = family_blocks(family, oracle)
+    assert not oracle, "explain's numbers disagree with the independent count:\n" + "\n".join(
+        oracle[:20]
+    )
     if got != want:
         changed = sum(1 for h in got if want.get(h) != got[h]) + sum(
             1 for h in want if h not in got
