@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from golden_text import BF16, F16, HALF, Case, Config, abstract
+from jax import lax
 
 import jmp_rewrite
 
@@ -542,3 +543,75 @@ def libraries() -> list[Case]:
 
 
 FAMILIES["libraries"] = libraries
+
+
+# ------------------------------------------------------------------------------------------
+# rules: the families, pinned whole
+# ------------------------------------------------------------------------------------------
+
+
+def rules() -> list[Case]:
+    import test_explain_oracles as teo
+    import test_rule_families as trf
+
+    X, W, V = sds(8, 16), sds(16, 16), sds(16, 32)
+    cases: list[Case] = []
+    for param in trf.PRECISIONS:
+        precision = param.values[0]
+        fun = trf._with_precision(precision)
+        cases.append(Case(f"precision/{param.id}", fun, (X, W, W), (F16,)))
+    flag = {
+        "traced": lambda x: jnp.sum(x) > -1e9,
+        "true": lambda x: True,
+        "false": lambda x: False,
+    }
+    for name, init in flag.items():
+        cases.append(Case(f"while/flag-carry-{name}", trf._flag_loop(init), (X, W)))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    raw = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    for stop in (3, 0):
+        for kind, k in (("typed", key), ("raw", raw)):
+            cases.append(Case(f"while/key-carry-{kind}-{stop}", trf._key_loop(stop), (X, W, k)))
+    layers = (sds(32, 32), sds(32, 32), sds(4, 32, 32))
+    small = dict(min_dim=16, multiple=16)
+    fp8 = (
+        Config("bfloat16", fp8=jmp_rewrite.Fp8Rules(**small), tag="default"),
+        Config(
+            "bfloat16",
+            fp8=jmp_rewrite.Fp8Rules(include=("blk*",), exclude=("blk*",), **small),
+            tag="include-and-exclude",
+        ),
+        Config(
+            "bfloat16",
+            fp8=jmp_rewrite.Fp8Rules(keep_first=False, keep_last=False, **small),
+            tag="keep-none",
+        ),
+    )
+    cases.append(Case("fp8/scan-over-layers", trf._layers, layers, fp8))
+    grad = jax.grad(lambda *a: jnp.sum(trf._layers(*a)), argnums=(1, 2))
+    cases.append(Case("fp8/scan-over-layers-grad", grad, layers, fp8[:1]))
+    nested = lambda w, v, w2, x: teo._nested(w, v @ w2, x)  # noqa: E731
+    args = (W, V, sds(32, 16), X)
+    cases.append(Case("loops/scan-in-scan", nested, args))
+    grad = jax.grad(lambda *a: jnp.sum(nested(*a)), argnums=(0, 1, 2))
+    cases.append(Case("loops/scan-in-scan-grad", grad, args, (BF16,)))
+    for pad, stride, groups in (("SAME", 1, 1), ("VALID", 2, 4), (((2, 1), (0, 3)), 2, 1)):
+
+        def conv(x, k, pad=pad, stride=stride, groups=groups):
+            y = lax.conv_general_dilated(
+                x,
+                k,
+                (stride, stride),
+                pad,
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                feature_group_count=groups,
+            )
+            return jnp.sum(jnp.tanh(y) ** 2)
+
+        name = f"conv/{pad if isinstance(pad, str) else 'explicit'}-s{stride}-g{groups}-grad"
+        fun = jax.grad(conv, argnums=(0, 1))
+        cases.append(Case(name, fun, (sds(2, 9, 8, 8), sds(3, 3, 8 // groups, 8))))
+    return cases
+
+
+FAMILIES["rules"] = rules
