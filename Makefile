@@ -50,7 +50,7 @@ $(DEMO_STAMP): pyproject.toml
 	$(call venv,demo)
 	touch $(DEMO_STAMP)
 
-.PHONY: test test-newest demo lint format bench figures gpu-memory mutants clean
+.PHONY: test test-newest demo lint format bench figures gpu-memory mutants goldens clean
 
 lint: $(STAMP)
 	$(BIN)/ruff check jmp_rewrite tests benchmarks tools
@@ -90,6 +90,14 @@ $(GPU_STAMP): pyproject.toml
 
 gpu-memory: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
+
+# make goldens: rewrite the painting goldens (tests/goldens/, checked by tests/test_goldens.py)
+# from the code, on both JAX ends (the floor's base files first), and print the diff to review
+# and commit with the change that caused it. ARGS="-k models" for one family.
+goldens: $(STAMP)
+	$(MAKE) .venv-newest/.installed VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	$(BIN)/python tools/goldens.py --bless $(ARGS)
+	.venv-newest/bin/python tools/goldens.py --bless $(ARGS)
 
 # By hand, never in CI: each mutant of tools/mutant_list.py against its tests (see README).
 mutants: $(STAMP)

@@ -551,6 +551,7 @@ FAMILIES["libraries"] = libraries
 
 
 def rules() -> list[Case]:
+    import program_gen as pg
     import test_explain_oracles as teo
     import test_rule_families as trf
 
@@ -611,7 +612,49 @@ def rules() -> list[Case]:
         name = f"conv/{pad if isinstance(pad, str) else 'explicit'}-s{stride}-g{groups}-grad"
         fun = jax.grad(conv, argnums=(0, 1))
         cases.append(Case(name, fun, (sds(2, 9, 8, 8), sds(3, 3, 8 // groups, 8))))
+    for i, program in enumerate(sampled_wider_programs(24)):
+        fun = pg.transformed(program, lambda f: f)
+        args = (abstract(program.inputs(0)),)
+        cases.append(Case(f"gen-wide/{i:02d}", fun, args, note=repr(program)))
     return cases
+
+
+# Issue 29's block kinds of the generator, a copy of their vocabulary (see _ACTS above).
+_CONDITIONS = ("counter", "flag", "not_flag", "counter_and_float", "traced_bound", "int_carry")
+_EXTRAS = ("none", "key", "raw_key", "int", "bool")
+_PRECISIONS = ("default", "high", "highest", "high_highest", "tf32", "f32_algorithm")
+_PRECISIONS += ("bf16_algorithm", "bf16x3_algorithm")
+
+
+def sampled_wider_programs(n: int, seed: int = 2929) -> list[Any]:
+    """``n`` programs of one or two of issue 29's blocks (``Loop``, ``Precise``), each maybe
+    after a dense layer, by a seeded NumPy generator."""
+    import program_gen as pg
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        transform = _pick(rng, _TRANSFORMS)
+        blocks: list[Any] = []
+        for _ in range(int(rng.integers(1, 3))):
+            if rng.integers(2):
+                blocks.append(pg.Dense(act=_pick(rng, _ACTS)))
+            wrappers = tuple(_pick(rng, _WRAPPERS) for _ in range(int(rng.integers(2))))
+            if transform.startswith("grad") or rng.integers(2):
+                op = _pick(rng, ("matmul", "conv"))
+                blocks.append(
+                    pg.Precise(_pick(rng, _PRECISIONS), op, int(rng.integers(3)), wrappers)
+                )
+            else:
+                cond, extra = _pick(rng, _CONDITIONS), _pick(rng, _EXTRAS)
+                trips, traced = _pick(rng, (3, 0, 1)), bool(rng.integers(2))
+                blocks.append(pg.Loop(cond, traced, trips, extra, int(rng.integers(3)), wrappers))
+        out.append(
+            pg.Program(
+                tuple(blocks), transform, bool(rng.integers(2)), seed=int(rng.integers(1001))
+            )
+        )
+    return out
 
 
 FAMILIES["rules"] = rules
