@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from program_gen import Attention, Copy, Program, State, programs, transformed
+from program_gen import Attention, Copy, Loop, Program, State, programs, transformed
 
 import jmp_rewrite
 
@@ -325,6 +325,11 @@ COUNTEREXAMPLES = [
         F16,
         id="stacked-state-f16",
     ),
+    # issue 29: a while loop that never runs (a literal counter), with a PRNG key carry its
+    # condition does not read, handed x out rounded through half (the key made the loop's
+    # trip count unknown to the rewrite)
+    pytest.param(Program((Loop("counter", trips=0, extra="key"),)), F16, id="key-carry-f16"),
+    pytest.param(Program((Loop("flag", trips=0, extra="key"),)), BF16, id="key-carry-bf16"),
 ]
 
 
