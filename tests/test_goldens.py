@@ -13,12 +13,24 @@ Nothing is compiled: tracing and painting only (about 30 s of CPU for the whole 
 
 from __future__ import annotations
 
+import os
+
 import explain_oracle
 import golden_corpus
 import golden_text
 import pytest
 
+from jmp_rewrite._src import environment
+
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
+
+
+@pytest.fixture(autouse=True)
+def _no_list_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No JMP_REWRITE_* (or TF_AUTO_MIXED_PRECISION_*) variable of the caller's environment
+    changes the lists: the goldens set their own where a configuration says so."""
+    for name in [n for n in os.environ if environment.is_ours(n)]:
+        monkeypatch.delenv(name)
 
 
 def family_blocks(family: str, oracle: list[str] | None = None) -> dict[str, str]:

@@ -31,6 +31,8 @@ import golden_corpus  # noqa: E402
 import golden_text  # noqa: E402
 from test_goldens import family_blocks  # noqa: E402
 
+from jmp_rewrite._src import environment  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in families if f not in golden_corpus.FAMILIES]
     if unknown:
         parser.error(f"unknown families {unknown}; known: {list(golden_corpus.FAMILIES)}")
+    for name in [n for n in os.environ if environment.is_ours(n)]:
+        del os.environ[name]  # the goldens set their own lists and variables
     version = golden_text.version_key()
     changed = 0
     for family in families:
