@@ -612,6 +612,33 @@ def rules() -> list[Case]:
         name = f"conv/{pad if isinstance(pad, str) else 'explicit'}-s{stride}-g{groups}-grad"
         fun = jax.grad(conv, argnums=(0, 1))
         cases.append(Case(name, fun, (sds(2, 9, 8, 8), sds(3, 3, 8 // groups, 8))))
+    # while conditions with constants: a traced bound, a concrete one closed over
+    bound = jnp.asarray(3, jnp.int32)
+
+    def traced_bound(x, w):
+        n = (jnp.sum(x) > 1e9).astype(jnp.int32) + 3
+        return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))
+
+    def closed_bound(x, w):
+        return lax.while_loop(
+            lambda c: c[0] < bound, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x)
+        )
+
+    cases.append(Case("while/traced-bound", traced_bound, (X, W)))
+    cases.append(Case("while/closed-over-bound", closed_bound, (X, W)))
+    # powers released or not (release_saturated_powers): into tanh (GELU), a sigmoid, an erf
+    # and a scaled sum; into an exp (no limit: stays deny); read twice (stays deny)
+    into = {
+        "tanh-gelu": lambda h: jnp.tanh(0.79 * (h + 0.044715 * h**3)),
+        "logistic": lambda h: jax.nn.sigmoid(2.0 * h**3 - 1.0),
+        "erf": lambda h: lax.erf(h**3),
+        "exp": lambda h: jnp.exp(0.5 * h**3),
+        "exp-of-sum": lambda h: jnp.exp(h**3 + 1.0),
+        "shared": lambda h: jnp.tanh(h**3) + h**3,
+    }
+    for name, act in into.items():
+        fun = lambda x, w, act=act: act(x @ w) @ w  # noqa: E731
+        cases.append(Case(f"power/into-{name}", fun, (X, W)))
     for i, program in enumerate(sampled_wider_programs(24)):
         fun = pg.transformed(program, lambda f: f)
         args = (abstract(program.inputs(0)),)
