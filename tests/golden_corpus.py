@@ -624,6 +624,14 @@ def rules() -> list[Case]:
             lambda c: c[0] < bound, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x)
         )
 
+    for stop in (0, 3):  # a bound made in the function: a literal operand of the condition
+
+        def made_bound(x, w, stop=stop):
+            n = jnp.int32(stop)
+            body = lambda c: (c[0] + 1, jnp.tanh(c[1] @ w))  # noqa: E731
+            return lax.while_loop(lambda c: c[0] < n, body, (0, x))
+
+        cases.append(Case(f"while/literal-bound-{stop}", made_bound, (X, W)))
     cases.append(Case("while/traced-bound", traced_bound, (X, W)))
     cases.append(Case("while/closed-over-bound", closed_bound, (X, W)))
     # powers released or not (release_saturated_powers): into tanh (GELU), a sigmoid, an erf

@@ -197,6 +197,24 @@ def test_a_condition_returning_a_literal_boolean_carry(start, runs):
         np.testing.assert_array_equal(got, X)
 
 
+@pytest.mark.parametrize("stop", [0, 2])
+def test_a_condition_constant_made_in_the_function(stop):
+    """``n = jnp.int32(stop)`` made inside the function reaches the condition as a literal
+    operand (a condition constant): with ``stop = 0`` the loop never runs and hands ``x`` on
+    bit-exact; with 2 it runs in half."""
+
+    def f(x, w):
+        n = jnp.int32(stop)
+        body = lambda c: (c[0] + 1, jnp.tanh(c[1] @ w))  # noqa: E731
+        return lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+    got = jmp_rewrite.rewrite(f, dtype=F16)(X, W1)
+    if stop:
+        np.testing.assert_allclose(got, f(X, W1), rtol=3e-2, atol=3e-2)
+    else:
+        np.testing.assert_array_equal(got, X)
+
+
 def _key_loop(stop):
     """A literal counter, a PRNG key the condition never reads, and an activation."""
 
