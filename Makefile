@@ -56,7 +56,7 @@ $(DOCS_STAMP): pyproject.toml
 	$(call venv,docs)
 	touch $(DOCS_STAMP)
 
-.PHONY: test test-newest demo docs lint format bench figures gpu-memory mutants clean
+.PHONY: test test-newest demo docs lint format bench figures gpu-memory mutants goldens clean
 
 LINTED := jmp_rewrite tests benchmarks tools docs/conf.py docs/_ext
 
@@ -110,6 +110,14 @@ $(GPU_STAMP): pyproject.toml
 
 gpu-memory: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
+
+# make goldens: rewrite the painting goldens (tests/goldens/, checked by tests/test_goldens.py)
+# from the code, on both JAX ends (the floor's base files first), and print the diff to review
+# and commit with the change that caused it. ARGS="-k models" for one family.
+goldens: $(STAMP)
+	$(MAKE) .venv-newest/.installed VENV=.venv-newest PYTHON="$(NEWEST_PYTHON)"
+	$(BIN)/python tools/goldens.py --bless $(ARGS)
+	.venv-newest/bin/python tools/goldens.py --bless $(ARGS)
 
 # By hand, never in CI: each mutant of tools/mutant_list.py against its tests (see README).
 mutants: $(STAMP)

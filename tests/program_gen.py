@@ -131,10 +131,48 @@ class Complex:
 
 
 @dataclasses.dataclass(frozen=True)
+class Loop:
+    """Issue 29: a ``while_loop`` whose condition reads its carries in one way of
+    :data:`CONDITIONS`, carrying a counter, a boolean flag, an activation ``tanh(h @ w + b)``,
+    another from the input ``x`` (handed out: ``x`` itself when the loop never runs), a
+    linear state (an EMA of the activation) and a carry of another type (:data:`EXTRAS`)
+    that the condition never reads; ``trips`` iterations (0: it never runs)."""
+
+    cond: str = "counter"  # see CONDITIONS
+    traced_init: bool = False  # the flag's initial value computed from x (else a literal)
+    trips: int = 3
+    extra: str = "none"  # see EXTRAS
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Kernel:
     kind: str = "matmul"  # matmul (Pallas's gridded tutorial kernel) | flash (attention)
     k: int = 0
     wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Precise:
+    """Issue 29: a dense layer ``tanh(h @ w + b)`` (or a 1-D convolution) whose matmul asks
+    for a precision or a dot algorithm (:data:`PRECISIONS`), read by a default one."""
+
+    precision: str = "high"  # see PRECISIONS
+    op: str = "matmul"  # matmul | conv (precisions only: no dot algorithm)
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+#: How a Loop's condition reads its carries: a literal counter; its boolean flag returned as
+#: is (``lambda c: c.flag``) or negated; the counter and a float carry (a test always true);
+#: the counter against a bound computed from the input; an integer carry counting by 2.
+CONDITIONS = ("counter", "flag", "not_flag", "counter_and_float", "traced_bound", "int_carry")
+#: A Loop's carry the condition does not read: a typed PRNG key, a raw uint32 key, an int, a
+#: bool; each changes every trip.
+EXTRAS = ("none", "key", "raw_key", "int", "bool")
+PRECISIONS = ("default", "high", "highest", "high_highest", "tf32", "f32_algorithm")
+PRECISIONS += ("bf16_algorithm", "bf16x3_algorithm")
 
 
 MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
@@ -179,6 +217,8 @@ class Program:
                 names.add(f"copy{i}")
             if isinstance(blk, State) and _state_untouched(blk):
                 names.update(_state_names(i, blk))
+            if isinstance(blk, Loop) and _known_unrun(blk):  # x and the state unchanged
+                names.update((f"loop{i}_s", f"loop{i}_x"))
         return frozenset(names)
 
     def linear_states(self) -> frozenset[str]:
@@ -189,6 +229,17 @@ class Program:
             if isinstance(blk, State) and blk.update != "square":
                 names.update(_state_names(i, blk))
         return frozenset(names)
+
+
+def _known_unrun(blk: Loop) -> bool:
+    """A loop that never runs, and whose condition reads literals only (a counter, an int
+    carry, a flag given as a literal), so the rewrite knows it when it paints: its carries
+    hand on what entered them, bit-exact. (One reading a float carry or a traced value may
+    run, as far as the rewrite can tell: its carries are painted as a running loop's.)"""
+    literal = blk.cond in ("counter", "int_carry") or (
+        blk.cond in ("flag", "not_flag") and not blk.traced_init
+    )
+    return blk.trips == 0 and literal
 
 
 def _state_untouched(blk: State) -> bool:
@@ -495,6 +546,82 @@ pallas_matmul = _with_reference_vjp(_pallas_matmul, jnp.matmul)
 pallas_attention = _with_reference_vjp(_flash, attention_reference)
 
 
+def _loop(i: int, blk: Loop, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    w, n = p["w"][blk.k], blk.trips
+    small = jnp.abs(jnp.mean(p["x"])) < 10.0  # True, traced
+    flag0 = (small if n else ~small) if blk.traced_init else n > 0
+    extra0 = {
+        "none": None,
+        "key": jax.random.key(blk.k),
+        "raw_key": jax.random.PRNGKey(blk.k),
+        "int": 0,
+        "bool": False,
+    }[blk.extra]
+    if blk.cond == "not_flag":
+        flag0 = ~flag0 if blk.traced_init else not flag0
+    bound = n + (jnp.mean(p["x"]) > 1e9).astype(jnp.int32)  # n, traced
+
+    def cond(c):
+        count, flag, h, _, j, _, _ = c
+        if blk.cond == "counter":
+            return count < n
+        if blk.cond == "flag":
+            return flag
+        if blk.cond == "not_flag":
+            return ~flag
+        if blk.cond == "counter_and_float":
+            return (count < n) & (jnp.sum(jnp.abs(h)) >= 0)
+        if blk.cond == "traced_bound":
+            return count < bound
+        return j < 2 * n
+
+    def body(c):
+        count, flag, h, s, j, extra, xc = c
+        h = jnp.tanh(h @ w + p["b"])
+        xc = jnp.tanh(xc @ w)
+        s = 0.9 * s + 0.1 * jnp.mean(h, axis=0)
+        more = count + 1 < n
+        if blk.extra in ("key", "raw_key"):
+            extra = jax.random.split(extra)[0]
+        elif blk.extra == "int":
+            extra = extra + 3
+        elif blk.extra == "bool":
+            extra = ~extra
+        return count + 1, (~more if blk.cond == "not_flag" else more), h, s, j + 2, extra, xc
+
+    init = (0, flag0, h, p["s"][0], 0, extra0, p["x"])
+    _, _, h, s, _, _, xc = lax.while_loop(cond, body, init)
+    return h, {f"loop{i}_s": s, f"loop{i}_x": xc}
+
+
+_PRECISION_VALUES = {
+    "default": lax.Precision.DEFAULT,
+    "high": lax.Precision.HIGH,
+    "highest": lax.Precision.HIGHEST,
+    "high_highest": (lax.Precision.HIGH, lax.Precision.HIGHEST),
+    "tf32": "tensorfloat32",
+    "f32_algorithm": lax.DotAlgorithmPreset.F32_F32_F32,
+    "bf16_algorithm": lax.DotAlgorithmPreset.BF16_BF16_F32,
+    "bf16x3_algorithm": lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+}
+
+
+def _precise(blk: Precise, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    precision = _PRECISION_VALUES[blk.precision]
+    if isinstance(precision, lax.DotAlgorithmPreset) and h.dtype != jnp.float32:
+        precision = lax.Precision.HIGHEST  # float64 (the oracle's truth): no such algorithm
+    if blk.op == "conv":
+        if isinstance(precision, lax.DotAlgorithmPreset):
+            precision = lax.Precision.HIGHEST
+        dims = ("NWC", "WIO", "NWC")
+        y = lax.conv_general_dilated(
+            h[None], p["kernel"], (1,), "SAME", dimension_numbers=dims, precision=precision
+        )[0]
+    else:
+        y = jnp.dot(h, p["w"][blk.k], precision=precision)
+    return jnp.tanh(y + p["b"]) @ p["w"][(blk.k + 1) % 3], {}
+
+
 # ------------------------------------------------------------------------------------------
 # Wrappers and the whole program
 # ------------------------------------------------------------------------------------------
@@ -541,7 +668,8 @@ def block_fn(i: int, blk: Any) -> Callable[[jax.Array, dict[str, Any]], Any]:
     if type(blk) in kinds:
         fn = lambda h, p: kinds[type(blk)](blk, h, p)  # noqa: E731
     else:
-        indexed = {Attention: _attention, Copy: _copy, State: _state}[type(blk)]
+        indexed = {Attention: _attention, Copy: _copy, State: _state, Loop: _loop}.get(type(blk))
+        indexed = indexed or (lambda i, blk, h, p: _precise(blk, h, p))
         fn = lambda h, p: indexed(i, blk, h, p)  # noqa: E731
     for wrapper in blk.wrappers:
         fn = _wrap(fn, wrapper)
@@ -653,10 +781,42 @@ def state_blocks(draw: Any, transform: str = "none") -> State:
 
 
 @st.composite
+def loop_blocks(draw: Any, transform: str = "none") -> Loop:
+    """Issue 29: while loops whose conditions read their carries in every way."""
+    return Loop(
+        cond=draw(st.sampled_from(CONDITIONS)),
+        traced_init=draw(st.booleans()),
+        trips=draw(st.sampled_from([3, 0, 1])),
+        extra=draw(st.sampled_from(EXTRAS)),
+        k=draw(st.integers(0, 2)),
+        wrappers=_wrappers(draw),
+    )
+
+
+@st.composite
+def precise_blocks(draw: Any, transform: str = "none") -> Precise:
+    """Issue 29: matmuls and convolutions of every precision and dot algorithm."""
+    return Precise(
+        precision=draw(st.sampled_from(PRECISIONS)),
+        op=draw(st.sampled_from(["matmul", "conv"])),
+        k=draw(st.integers(0, 2)),
+        wrappers=_wrappers(draw),
+    )
+
+
+#: Block kinds issue 29 adds to :func:`any_block`, by name.
+WIDER = {"loop": loop_blocks, "precise": precise_blocks}
+
+
+@st.composite
 def any_block(draw: Any, transform: str = "none") -> Any:
-    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm", "complex"]))
+    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm", "complex", *WIDER]))
     if kind == "state":
         return draw(state_blocks(transform))
+    if kind == "loop" and transform.startswith("grad"):
+        kind = "precise"  # a while loop is not reverse-differentiable
+    if kind in WIDER:
+        return draw(WIDER[kind](transform))
     k = draw(st.integers(0, 2))
     if kind == "complex":  # complex values, or a Pallas kernel: boundaries (issue 28)
         if draw(st.booleans()):

@@ -75,6 +75,7 @@ from program_gen import (
     Copy,
     Dense,
     Kernel,
+    Loop,
     Norm,
     Program,
     State,
@@ -405,6 +406,11 @@ COUNTEREXAMPLES = [
         id="known-norm-centring-f16",
         marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['norm_centring_in_half']"),
     ),
+    # issue 29: a while loop that never runs (a literal counter), with a PRNG key carry its
+    # condition does not read, handed x out rounded through half (the key made the loop's
+    # trip count unknown to the rewrite)
+    pytest.param(Program((Loop("counter", trips=0, extra="key"),)), F16, id="key-carry-f16"),
+    pytest.param(Program((Loop("flag", trips=0, extra="key"),)), BF16, id="key-carry-bf16"),
 ]
 
 

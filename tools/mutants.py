@@ -79,6 +79,13 @@ BROAD: dict[str, tuple[str, ...]] = {
     },
     "jmp_rewrite/_src/op_lists.py": _REWRITE_FILES,
     "jmp_rewrite/_src/environment.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/equations.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/fp8.py": ("tests/test_fp8.py",),
+    **{
+        "jmp_rewrite/_src/" + m: ("tests/test_explain.py", "tests/test_explain_view.py")
+        for m in ("explain.py", "report.py", "explain_view.py")
+    },
+    **{"jmp_rewrite/_src/" + m: ("tests/test_compare.py",) for m in ("compare.py", "eager.py")},
     "jmp_rewrite/_src/loss_scale.py": _LOSS_SCALE_FILES,
     "jmp_rewrite/_src/loss_scale_optimizer.py": _LOSS_SCALE_FILES,
     "jmp_rewrite/_src/finite.py": _LOSS_SCALE_FILES,

@@ -17,7 +17,6 @@ import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src import shapes
 from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
@@ -137,7 +136,12 @@ def holds_allow_ops(eqn: Any, lists: Any) -> bool:
 
 def false_at_once(layout: Any, atoms: list[Any]) -> bool:
     """Whether a ``while`` loop's condition is false on its initial values, known when they
-    are literals (``while_loop(lambda c: c[0] < n, body, (0, x))`` with a literal ``n``)."""
+    are literals (``while_loop(lambda c: c[0] < n, body, (0, x))`` with a literal ``n``).
+
+    What the condition reads (an operand of its equations, or an output: ``lambda c: c[0]``)
+    must be a literal; a carry it does not read -- an activation, a PRNG key, a token, one of
+    a symbolic shape -- is passed as ``None``, which no equation looks at (a placeholder of
+    the carry's dtype cannot be made for a key or a token)."""
     cond = layout.body("cond")
     inner = jc.open_jaxpr(cond)
     read = {a for e in inner.eqns for a in e.invars if not jc.is_literal(a)}
@@ -146,12 +150,10 @@ def false_at_once(layout: Any, atoms: list[Any]) -> bool:
     for var, atom in zip(inner.invars, atoms, strict=True):
         if jc.is_literal(atom):
             args.append(jc.literal_value(atom))
-        elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token
+        elif var in read:
             return False
-        else:  # a carry the condition does not read: any value of its dtype will do
-            # (of size 0 along a symbolic dimension, which no array can have)
-            shape = tuple(d if shapes.is_static(d) else 0 for d in var.aval.shape)
-            args.append(np.zeros(shape, var.aval.dtype))
+        else:
+            args.append(None)
     with jax.ensure_compile_time_eval():  # concrete, also while a jit traces the program
         (keep_going,) = jc.eval_jaxpr(cond, *args)
         return not np.asarray(keep_going).any()
