@@ -143,6 +143,26 @@ SPELLINGS = {
         ),
         "bias",
     ),
+    # the scale computed in the program from constants (Flax and T5X write jnp.sqrt(depth)):
+    # a constant, as math.sqrt's number is
+    "jnp_sqrt_on_logits": (
+        lambda q, k, v, m: _out(
+            jax.nn.softmax(
+                _einsum(q, k) / jnp.sqrt(q.shape[-1]) + (1.0 - m[:, None, None, :]) * FMIN
+            ),
+            v,
+        ),
+        "bias",
+    ),
+    "rsqrt_times_logits": (
+        lambda q, k, v, m: _out(
+            jax.nn.softmax(
+                jnp.where(TRIL, _einsum(q, k) * jax.lax.rsqrt(jnp.float32(q.shape[-1])), FMIN)
+            ),
+            v,
+        ),
+        "causal",
+    ),
     # where(mask, s, -1e9) with the mask from the data
     "where_data": (
         lambda q, k, v, m: _out(

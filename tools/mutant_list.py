@@ -1478,6 +1478,14 @@ MUTANTS: tuple[Mutant, ...] = (
         T_ATT + "test_rows_without_keys_get_float32s_value[finfo-where]",
         "a row without keys set to 0 where float32's uniform weights give the values' mean",
     ),
+    _m(
+        "attention.scale_from_constants_computed",
+        "attention_view.py",
+        "        if at is not None and at.name in FOLDED:",
+        "        if False:",
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[jnp_sqrt_on_logits]",
+        "a scale the program computes from constants (s / jnp.sqrt(d)) taken for a computed one",
+    ),
     # -- issue 29 (helper `suite`): a round planted before looking at the tests, in the areas
     # the last round found weak (engine, float8, explain/compare); ``R29_*`` name the tests
     # that catch each (the painting goldens first).

@@ -228,7 +228,9 @@ def _inputs(view: View, core: Core) -> list[Any]:
                 found[a] = None
     sides = (*core.masks, *core.biases, *([core.causal_mask] if core.causal_mask else []))
     expected = [core.q, core.k, core.v, *(s.atom for s in sides if not jc.is_literal(s.atom))]
-    extra = [a for a in found if a not in expected]
+    # a scalar constant the program also reads elsewhere (a scale both passes read) is no
+    # input: the fused call takes its value
+    extra = [a for a in found if a not in expected and view.literal(view.val(a)) is None]
     if extra:
         raise Unfused(
             f"it reads a value that is none of queries, keys, values, masks, biases ({extra[0]})"
@@ -254,8 +256,14 @@ class _Joint:
         q, k, v = core.q, core.k, core.v
         tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [q, k], [v, *floats], [v]]
         tries = [t for i, t in enumerate(tries) if t and t not in tries[:i]]
+        made = {v for e in eqns for v in e.outvars}
+        consts = [  # scalar constants also read elsewhere: inputs of the reference only
+            a
+            for a in dict.fromkeys(a for e in eqns for a in e.invars if not jc.is_literal(a))
+            if a not in made and a not in inputs
+        ]
         for diff in tries:
-            order = [*diff, *(a for a in inputs if a not in diff)]
+            order = [*diff, *(a for a in inputs if a not in diff), *consts]
             key = (forward_text(eqns, order, core.o), len(diff))
             ref = self.cache.get(key)
             if ref is None:

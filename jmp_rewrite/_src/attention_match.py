@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.attention_view import At, Val, View
+from jmp_rewrite._src.attention_view import FOLDED, At, Val, View
 
 #: A mask fill at or below this zeroes the masked weights in float32 as a fused kernel's
 #: own mask does (``exp(fill - max)`` is 0 for any logit above ``fill + 104``).
@@ -410,6 +410,7 @@ def _fold(view: View, steps: list[tuple[At, int]], spaces, tops: set[int]) -> di
             c = _scalar(view, other)
             if c is None:
                 raise Unfused(f"the logits are scaled by a computed value ({name})")
+            _scalar_walk(view, other, tops)
             if name == "div" and pos != 0:
                 raise Unfused("the logits divide a value")
             c = 1.0 / c if name == "div" else c
@@ -453,16 +454,19 @@ def _fold(view: View, steps: list[tuple[At, int]], spaces, tops: set[int]) -> di
 
 
 def _scalar_walk(view: View, val: Val, tops: set[int]) -> None:
-    """A fill broadcast in the scope only for this selection joins the attention."""
+    """A scalar constant (a fill, a scale) computed in the scope only for this attention
+    joins it: the moves and folded functions (``jnp.sqrt(d)``) that make it."""
     val = view.resolve(val)
-    while val.ctx.parent is None and not jc.is_literal(val.atom):
-        if val.atom in view.outvars or len(set(view.readers.get(val.atom, []))) != 1:
-            return
-        at = view.producer(val)
-        if at is None or at.ctx.parent is not None or at.name not in _MOVES:
-            return
-        tops.add(at.top)
-        val = view.resolve(at.operand(0))
+    if val.ctx.parent is not None or jc.is_literal(val.atom):
+        return
+    if val.atom in view.outvars or len(set(view.readers.get(val.atom, []))) != 1:
+        return
+    at = view.producer(val)
+    if at is None or at.ctx.parent is not None or at.name not in (*_MOVES, *FOLDED):
+        return
+    tops.add(at.top)
+    for i in range(len(at.eqn.invars)):
+        _scalar_walk(view, at.operand(i), tops)
 
 
 def match(view: View, pv_index: int) -> tuple[Core | None, list[At]]:

@@ -12,8 +12,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
+
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
+
+#: Elementwise primitives folded when every operand is a scalar constant: ``s /
+#: jnp.sqrt(d)``, ``s * lax.rsqrt(jnp.float32(d))`` scale by a constant, as ``math.sqrt`` does.
+FOLDED = frozenset({"sqrt", "rsqrt", "exp", "log", "neg", "abs", "integer_pow", "pow"})
+FOLDED |= {"add", "sub", "mul", "div", "max", "min"}
 
 #: Call kinds the view looks into (their bodies run once per call, operands as arguments).
 _SEE_THROUGH = (ho.CALL, ho.CUSTOM_JVP)
@@ -140,7 +148,8 @@ class View:
         return val.atom if val.ctx.parent is None else None
 
     def literal(self, val: Val) -> float | None:
-        """The value of a scalar literal (or of a broadcast or cast of one), else None."""
+        """The value of a scalar constant: a literal, a broadcast or cast of one, or an
+        elementwise function of such (:data:`FOLDED`), else None."""
         val = self.resolve(val)
         if jc.is_literal(val.atom):
             return float(jc.literal_value(val.atom))
@@ -150,4 +159,11 @@ class View:
             if x is not None and at.name == "convert_element_type":
                 return float(jc.to_numpy_dtype(x, at.eqn.params["new_dtype"]))
             return x
+        if at is not None and at.name in FOLDED:
+            xs = [self.literal(at.operand(i)) for i in range(len(at.eqn.invars))]
+            if any(x is None for x in xs):
+                return None
+            args = [np.asarray(x, v.aval.dtype) for x, v in zip(xs, at.eqn.invars, strict=True)]
+            with jax.ensure_compile_time_eval():  # a number now, not an equation of a trace
+                return float(np.asarray(at.eqn.primitive.bind(*args, **at.eqn.params)))
         return None
