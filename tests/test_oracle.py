@@ -69,7 +69,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from program_gen import Attention, Copy, Program, State, programs, transformed
+from program_gen import Attention, Copy, Program, Recurrence, State, programs, transformed
 
 import jmp_rewrite
 
@@ -325,6 +325,14 @@ COUNTEREXAMPLES = [
         F16,
         id="stacked-state-f16",
     ),
+    # found by the generator (issue 28.3): a state updated through a selection was rounded,
+    # by a scan (max of two updates: 0.0046 off float64, reference 2e-5) or once (sort)
+    pytest.param(Program((State("max", "scan"),)), BF16, id="28.3-max-scan-bf16"),
+    pytest.param(Program((State("sort", "step"),)), BF16, id="28.3-sort-step-bf16"),
+    # found by the generator (issue 28.4): a gate near 1 rounded where it is computed, then
+    # multiplied into the carry 64 times (float16 0.0020 off float64, reference 0.00034)
+    pytest.param(Program((Recurrence("sigmoid", "scan"),)), F16, id="28.4-gate-scan-f16"),
+    pytest.param(Program((Recurrence("sigmoid", "fori_loop"),)), BF16, id="28.4-gate-fori-bf16"),
 ]
 
 
