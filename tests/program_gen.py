@@ -137,10 +137,10 @@ NONLINEAR_UPDATES = ("square", "reciprocal")  # no linear state (issue 29.7)
 UPDATES += NONLINEAR_UPDATES
 COEFFICIENTS = ("sigmoid", "mamba", "min_gru", "decay")
 RECURRENCES = ("scan", "fori_loop", "associative_scan")
-#: How often each is drawn: associative_scan's tree compiles slowly on a CPU (7-8 s of CPU
-#: for a generated program), so it is drawn one time in five.
-_RECURRENCE_DRAWS = ("scan", "fori_loop") * 2 + ("associative_scan",)
-REPEAT = 8  # the recurrence's sequence: h tiled REPEAT times (64 steps)
+#: How often each is drawn: associative_scan's tree compiles slowly on a CPU (6-19 s of CPU
+#: for a generated program, grad included), so it is drawn one time in seven.
+_RECURRENCE_DRAWS = ("scan", "fori_loop") * 3 + ("associative_scan",)
+REPEAT = 8  # the recurrence's sequence: h tiled REPEAT times (64 steps; 32 hide the bug)
 CARRIERS = ("step", "cond", "scan", "fori_loop", "while_loop", "scan_cond")
 WRAPPERS = ("jit", "checkpoint", "custom_jvp", "custom_vjp", "scan2")
 TRANSFORMS = ("none", "grad_outer", "grad_inner", "vmap_outer", "vmap_inner")
