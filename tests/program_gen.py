@@ -19,7 +19,15 @@ dataclass (so a counterexample prints as the Python literal that rebuilds it):
   a pytree through ``ravel_pytree``, and the nonlinear ``0.5 * c * c + step``), applied once,
   inside a ``cond``, or carried by ``scan`` (optionally reversed, unrolled, with the update
   under a ``cond`` every other trip), ``fori_loop`` or ``while_loop``, for 0, 1 or 6 trips,
-  through a cycle of 1 to 4 carries (``c_i' = update(c_{i+1})``), optionally read by a matmul.
+  through a cycle of 1 to 4 carries (``c_i' = update(c_{i+1})``), optionally read by a matmul;
+  updates through a selection (issue 28.3: ``top_k`` of the state plus increments as beam
+  search writes it, ``sort``, ``max``, an ``argmax``-indexed take) and through nonlinear
+  readers of the carry (issue 29.7: ``0.5 * c * c``, ``0.5 / c``);
+* :class:`Recurrence` -- a linear recurrence ``h_t = a_t h_{t-1} + b_t`` over a 64-step
+  sequence tiled from ``h`` (issue 28.4), its coefficient near 1 computed from a matmul as
+  gated RNNs and state-space models write it (``sigmoid(. + 4)``, Mamba's ``exp(-softplus(.)
+  A)``, minGRU's ``1 - z``, a learned decay with no matmul), by ``lax.scan``, a ``fori_loop``
+  over the stacked sequence, or ``lax.associative_scan``.
 
 * :class:`Complex` -- complex values between half matmuls (issue 28): an LRU or S5 diagonal
   recurrence (``exp(dt * lam)``) over the rows of ``h``, an FFT long convolution, a complex
@@ -131,6 +139,14 @@ class Complex:
 
 
 @dataclasses.dataclass(frozen=True)
+class Recurrence:
+    coef: str = "sigmoid"  # see COEFFICIENTS
+    how: str = "scan"  # see RECURRENCES
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Loop:
     """Issue 29: a ``while_loop`` whose condition reads its carries in one way of
     :data:`CONDITIONS`, carrying a counter, a boolean flag, an activation ``tanh(h @ w + b)``,
@@ -178,7 +194,16 @@ PRECISIONS += ("bf16_algorithm", "bf16x3_algorithm")
 MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
 COPY_ROUTES = ("plain", "jit", "checkpoint", "cond_ones", "cond_const", "scan0", "fori_carried")
 UPDATES = ("sgd", "ema", "adam", "ode_div", "rk4", "clip", "project", "scatter", "ravel")
-UPDATES += ("square",)
+UPDATES += ("top_k", "sort", "max", "take_max")  # through a selection (issue 28.3)
+NONLINEAR_UPDATES = ("square", "reciprocal")  # no linear state (issue 29.7)
+UPDATES += NONLINEAR_UPDATES
+COEFFICIENTS = ("sigmoid", "mamba", "min_gru", "decay")
+RECURRENCES = ("scan", "fori_loop", "associative_scan")
+#: What the generator draws: associative_scan's tree compiles slowly on a CPU (6-19 s of CPU
+#: for a generated program, grad included), so only tests/test_recurrences.py and the shrunk
+#: counterexamples run it.
+_RECURRENCE_DRAWS = ("scan", "fori_loop")
+REPEAT = 8  # the recurrence's sequence: h tiled REPEAT times (64 steps; 32 hide the bug)
 CARRIERS = ("step", "cond", "scan", "fori_loop", "while_loop", "scan_cond")
 COMPLEX_KINDS = ("lru", "s5", "fft", "cmatmul")
 WRAPPERS = ("jit", "checkpoint", "custom_jvp", "custom_vjp", "scan2", "shard_map")
@@ -222,11 +247,12 @@ class Program:
         return frozenset(names)
 
     def linear_states(self) -> frozenset[str]:
-        """State outputs updated linearly from themselves (every update but ``square``): the
-        README's state, which the rewrite updates in float32."""
+        """State outputs updated linearly from themselves, or selected from such an update
+        (every update but :data:`NONLINEAR_UPDATES`): the README's state, which the rewrite
+        updates in float32."""
         names = set()
         for i, blk in enumerate(self.blocks):
-            if isinstance(blk, State) and blk.update != "square":
+            if isinstance(blk, State) and blk.update not in NONLINEAR_UPDATES:
                 names.update(_state_names(i, blk))
         return frozenset(names)
 
@@ -365,6 +391,17 @@ def _update(blk: State, c: Any, grad: jax.Array, stat: jax.Array) -> Any:
     if u == "ravel":
         flat, unravel = ravel_pytree(c)
         return unravel(flat - 0.01 * jnp.concatenate([grad[:8], grad[8:]]))
+    if u == "top_k":  # beam search: every continuation's score, the best D kept
+        return lax.top_k((c[:, None] + 0.01 * jnp.stack([grad, stat], 1)).reshape(-1), D)[0]
+    if u == "sort":
+        return jnp.sort(c - 0.01 * grad)
+    if u == "max":  # cummax and its gradient compile slowly on a CPU: tests/test_recurrences.py
+        return jnp.max(jnp.stack([c + 0.01 * grad, c - 0.01 * stat]), axis=0)
+    if u == "take_max":  # the best of two updates, taken at its argmax
+        v = jnp.stack([c + 0.01 * grad, c - 0.01 * stat])
+        return v[jnp.argmax(v, axis=0), jnp.arange(D)]
+    if u == "reciprocal":
+        return 0.5 / c + 0.01 * grad
     assert u == "square", u
     return 0.5 * c * c + 0.01 * grad
 
@@ -622,6 +659,36 @@ def _precise(blk: Precise, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, 
     return jnp.tanh(y + p["b"]) @ p["w"][(blk.k + 1) % 3], {}
 
 
+def _coefficient(blk: Recurrence, za: jax.Array, p: dict[str, Any]) -> jax.Array:
+    """The recurrence's coefficient, about 0.95-0.999, from the gate projection ``za``."""
+    if blk.coef == "sigmoid":
+        return jax.nn.sigmoid(za + 4.0)
+    if blk.coef == "mamba":
+        return jnp.exp(-jax.nn.softplus(za - 4.0) * p["g"])
+    if blk.coef == "min_gru":
+        return 1.0 - jax.nn.sigmoid(za - 4.0)
+    assert blk.coef == "decay", blk.coef  # learned, no matmul
+    return jnp.broadcast_to(jnp.exp(-0.02 * jnp.exp(p["g"])), za.shape)
+
+
+def _recurrence(i: int, blk: Recurrence, h: jax.Array, p: dict[str, Any]) -> tuple[Any, dict]:
+    u = jnp.tile(h, (REPEAT, 1))  # [REPEAT * B, D]: time first
+    a = _coefficient(blk, u @ p["w"][blk.k], p)
+    b = 0.1 * (u @ p["w"][(blk.k + 1) % 3])
+    if blk.how == "scan":
+        hs = lax.scan(lambda c, ab: (ab[0] * c + ab[1],) * 2, jnp.zeros_like(b[0]), (a, b))[1]
+    elif blk.how == "fori_loop":
+
+        def step(t, hs):
+            return hs.at[t].set(a[t] * hs[t - 1] + b[t])
+
+        hs = lax.fori_loop(1, b.shape[0], step, jnp.zeros_like(b).at[0].set(b[0]))
+    else:
+        hs = lax.associative_scan(lambda x, y: (x[0] * y[0], y[0] * x[1] + y[1]), (a, b))[1]
+    out = hs[-h.shape[0] :]
+    return out, {f"rec{i}": out}
+
+
 # ------------------------------------------------------------------------------------------
 # Wrappers and the whole program
 # ------------------------------------------------------------------------------------------
@@ -669,6 +736,7 @@ def block_fn(i: int, blk: Any) -> Callable[[jax.Array, dict[str, Any]], Any]:
         fn = lambda h, p: kinds[type(blk)](blk, h, p)  # noqa: E731
     else:
         indexed = {Attention: _attention, Copy: _copy, State: _state, Loop: _loop}.get(type(blk))
+        indexed = indexed or {Recurrence: _recurrence}.get(type(blk))
         indexed = indexed or (lambda i, blk, h, p: _precise(blk, h, p))
         fn = lambda h, p: indexed(i, blk, h, p)  # noqa: E731
     for wrapper in blk.wrappers:
@@ -810,7 +878,11 @@ WIDER = {"loop": loop_blocks, "precise": precise_blocks}
 
 @st.composite
 def any_block(draw: Any, transform: str = "none") -> Any:
-    kind = draw(st.sampled_from(["state", "attention", "copy", "dense", "norm", "complex", *WIDER]))
+    kind = draw(
+        st.sampled_from(
+            ["state", "attention", "copy", "dense", "norm", "complex", "recurrence", *WIDER]
+        )
+    )
     if kind == "state":
         return draw(state_blocks(transform))
     if kind == "loop" and transform.startswith("grad"):
@@ -824,6 +896,13 @@ def any_block(draw: Any, transform: str = "none") -> Any:
         # (inside shard_map a kernel's out_shape must name its varying axes: not drawn)
         wrappers = tuple(w for w in _wrappers(draw) if w != "shard_map")
         return Kernel(draw(st.sampled_from(["matmul", "flash"])), k, wrappers)
+    if kind == "recurrence":
+        return Recurrence(
+            coef=draw(st.sampled_from(COEFFICIENTS)),
+            how=draw(st.sampled_from(_RECURRENCE_DRAWS)),
+            k=k,
+            wrappers=_wrappers(draw),
+        )
     if kind == "attention":
         return Attention(
             spelling=draw(st.sampled_from(MASK_SPELLINGS)),

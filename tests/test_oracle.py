@@ -78,6 +78,7 @@ from program_gen import (
     Loop,
     Norm,
     Program,
+    Recurrence,
     State,
     attention_programs,
     programs,
@@ -411,6 +412,14 @@ COUNTEREXAMPLES = [
     # trip count unknown to the rewrite)
     pytest.param(Program((Loop("counter", trips=0, extra="key"),)), F16, id="key-carry-f16"),
     pytest.param(Program((Loop("flag", trips=0, extra="key"),)), BF16, id="key-carry-bf16"),
+    # issue 28.3 (written from the new blocks): a state updated through a selection was rounded,
+    # by a scan (max of two updates: 0.0046 off float64, reference 2e-5) or once (sort)
+    pytest.param(Program((State("max", "scan"),)), BF16, id="28.3-max-scan-bf16"),
+    pytest.param(Program((State("sort", "step"),)), BF16, id="28.3-sort-step-bf16"),
+    # issue 28.4 (written from the new blocks): a gate near 1 rounded where it is computed, then
+    # multiplied into the carry 64 times (float16 0.0020 off float64, reference 0.00034)
+    pytest.param(Program((Recurrence("sigmoid", "scan"),)), F16, id="28.4-gate-scan-f16"),
+    pytest.param(Program((Recurrence("sigmoid", "fori_loop"),)), BF16, id="28.4-gate-fori-bf16"),
 ]
 
 

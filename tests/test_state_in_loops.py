@@ -538,6 +538,7 @@ MOVED_UPDATES = {
     "expand_squeeze": lambda y, h: (y[None] + DT * _k(y, h)[None])[0],
     "concatenate": lambda y, h: jnp.concatenate([y[:1], y[1:] + DT * _k(y, h)[1:]]),
     "at_add": lambda y, h: y.at[:, :].add(DT * _k(y, h)),
+    "stack": lambda y, h: jnp.stack([y[0] + DT * _k(y, h)[0], *(y[1:] + DT * _k(y, h)[1:])]),
     "dynamic_update_slice": lambda y, h: jax.lax.dynamic_update_slice(
         y, y[1:] + DT * _k(y, h)[1:], (1, 0)
     ),

@@ -75,6 +75,7 @@ R29_EXPLAIN = (
     f"{_GOLDENS}[models]",
 )
 R29_COMPARE = ("tests/test_compare_oracle.py", "tests/test_compare.py")
+T_REC = "tests/test_recurrences.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -646,8 +647,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.loop_state_not_kept",
         "paint_additions.py",
-        "        if ls.recurrent and g.nodes[ls.carry].float32:",
-        "        if False:",
+        "        if ls.recurrent and g.nodes[ls.carry].float32\n",
+        "        if False\n",
         (
             T_LOOPS + "test_item1_loop_state_that_is_no_output",
             T_LOOPS + "test_item1_training_steps_in_a_loop",
@@ -681,8 +682,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "origins.moves_carry_no_state",
         "origins.py",
-        "    if (name in _MOVES or name in SCATTER_COMBINES) and eqn.outvars:",
-        "    if name in SCATTER_COMBINES and eqn.outvars:",
+        "    if (name in _MOVES or name in _SELECTIONS or name in SCATTER_COMBINES) and eqn.outvars:",
+        "    if (name in _SELECTIONS or name in SCATTER_COMBINES) and eqn.outvars:",
         T_LOOPS + "test_item1_state_updated_through_data_movement",
         "a state updated through reshape/transpose/concatenate (ravel_pytree) is rounded in loops",
     ),
@@ -1289,6 +1290,82 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if False:",
         "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
         "a batched heavy-ball buffer m * buf + g (the state scaled, no step) is rounded to half",
+    ),
+    # -- issue 28 items 3 and 4, issue 29 families 2, 3 and 7: carries and recurrences
+    _m(
+        "origins.top_k_and_sort_select_nothing",
+        "origins.py",
+        '    | {"cummax", "cummin", "top_k", "approx_top_k", "sort", "scatter-max", "scatter_max"}',
+        '    | {"cummax", "cummin", "scatter-max", "scatter_max"}',
+        (
+            T_REC + "test_beam_search_scores_are_state",
+            T_REC + "test_a_selection_of_an_accumulation_is_state",
+        ),
+        "[28.3] beam search's scores, picked by top_k from their accumulation, are carried half",
+    ),
+    _m(
+        "origins.stack_moves_nothing",
+        "origins.py",
+        '    | {"stack", "unstack", "tile", "broadcast_to", "all_gather", "all_gather_invariant"}',
+        '    | {"unstack", "tile", "broadcast_to", "all_gather", "all_gather_invariant"}',
+        T_LOOPS + "test_item1_state_updated_through_data_movement",
+        "a state updated through jnp.stack (a primitive since jax 0.10) is rounded every step",
+    ),
+    _m(
+        "recurrences.loop_coefficients_not_found",
+        "paint_recurrences.py",
+        '            if n.key in ("mul", "div"):  # a quotient on the chain divides the carry',
+        '            if n.key == "div":  # a quotient on the chain divides the carry',
+        T_REC + "test_recurrence_coefficients_are_float32",
+        "[28.4] a gate multiplying a scan's carry is rounded where it is computed",
+    ),
+    _m(
+        "recurrences.tree_coefficients_not_found",
+        "paint_recurrences.py",
+        "            if a is not None and b is not None and a[0] == b[0] and a[1] != b[1]:",
+        "            if a is not None and b is not None and a[0] == b[0] and a[1] == b[1]:",
+        T_REC + "test_associative_scan_coefficients_are_float32",
+        "[28.4] lax.associative_scan's gates and tree run in half",
+    ),
+    _m(
+        "recurrences.scaled_values_half",
+        "paint_recurrences.py",
+        "    keep += _dfs(scaled, _fanin, g.nodes, linear) + products",
+        "    keep += products",
+        T_REC + "test_associative_scan_coefficients_are_float32",
+        "[28.4] associative_scan's partial results are half, rounding the gates again",
+    ),
+    _m(
+        "recurrences.coefficients_back_to_nothing",
+        "paint_recurrences.py",
+        '        return v.listed_kind != ALLOW and v.key != "<carry>"',
+        '        return v.listed_kind != ALLOW and v.key != "<carry>" and v.key != "<xs>"',
+        T_REC + "test_recurrence_coefficients_are_float32",
+        "[28.4] a gate computed before a scan and scanned in is rounded on its way in",
+    ),
+    _m(
+        "origins.stacked_changed_carry_a_copy",
+        "origins.py",
+        "        copy_of = None if o_out.derived & changed else o_out.copy_of",
+        "        copy_of = o_out.copy_of",
+        T_REC + "test_painted_by_for_stacked_copies_out_of_a_scan",
+        "[29.3] an RNN's stacked hidden states are kept float32 as 'copies of an input'",
+    ),
+    _m(
+        "paint.half_carry_through_a_matmul",
+        "paint_additions.py",
+        "            return v.id in body and v.listed_kind != ALLOW",
+        "            return v.id == r or (v.id in body and v.listed_kind != ALLOW)",
+        T_REC + "test_an_rnn_carry_is_no_half_carry",
+        "[29.2] lint names the backward carry of an RNN (next value a matmul's) a half carry",
+    ),
+    _m(
+        "origins.reciprocal_is_linear",
+        "origins.py",
+        "            derived = per[0] - per[1]  # nor is 1 / old",
+        "            derived = per[0] | per[1]  # nor is 1 / old",
+        T_REC + "test_a_carry_read_through_a_nonlinear_op_keeps_tfs_colours",
+        "[29.7] c' = 0.5 / c + step is kept float32 as if it were linear state",
     ),
     # -- round 5 (lead): values made at trace time from a shape that may be symbolic
     _m(

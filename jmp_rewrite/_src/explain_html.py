@@ -69,6 +69,7 @@ PASS_WORDS = {
     "make_casts_allow_if_all_outputs_allow": "a cast whose every reader is half precision",
     "keep_output_copies_float32": "an output copied from an input stays bit-exact",
     "keep_state_updates_float32": "a state update (running average, optimizer step)",
+    "keep_recurrence_coefficients_float32": "a recurrence's coefficient (a gate on a state)",
     "keep_normalization_statistics_float32": "normalization statistics stay float32",
     "keep_kernels_as_written": "a kernel (Pallas, run_state): runs as written, in its dtypes",
     "unit": "part of a fused unit",

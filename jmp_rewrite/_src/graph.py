@@ -544,7 +544,9 @@ class Graph:
         )
         if eqn.params.get("length") == 0:
             carry_out = self._unrun(carries, orig["carry"])
-        ys_out = stacked_origins(states, orig["carry"], bout_origins[ncarry:])
+        ys_out = stacked_origins(
+            states, orig["carry"], bout_origins[:ncarry], bout_origins[ncarry:]
+        )
         self._set_origins(ynodes, ys_out)
         return carries + ynodes, rec, carry_out + ys_out
 

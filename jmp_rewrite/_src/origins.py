@@ -46,14 +46,17 @@ class Origin:
       copy_of: the program input this value is an exact copy of (through calls, loop carries
         passed on unchanged and clear ops of it alone: reshape, transpose, ...), or None.
       derived: states (program inputs, then loop carries: see :class:`LoopState`) this value
-        is a *linear* function of: through additions, subtractions, negations, casts,
-        selections and products or quotients by values not derived from the same state
-        (``m * old``, ``-lr * g``, ``where(ok, new, old)``), and through data movement
-        (reshapes, transposes, slices, concatenations, scatters: ``ravel_pytree``). A
-        nonlinear function (``tanh(old)``, ``old * old``) is not state handed on.
+        is a *linear* function of, or holds elements of: through additions, subtractions,
+        negations, casts and products or quotients by values not derived from the same state
+        (``m * old``, ``-lr * g``), through data movement (reshapes, transposes, slices,
+        concatenations, scatters: ``ravel_pytree``) and through selections, which pick
+        elements by data (``where(ok, new, old)``, ``top_k``, ``sort``, ``max``, clips). A
+        nonlinear function (``tanh(old)``, ``old * old``, ``0.5 / old``) is not state
+        handed on.
       updates: those of ``derived`` that an addition or subtraction has combined with
-        something else on the way (``new = a * old + b * f(x)``: a state update); a clip of
-        an update (``clip(p - lr * g, -c, c)``, a projected step) is one still.
+        something else on the way (``new = a * old + b * f(x)``: a state update); a value
+        moved or selected from an update is one still (``clip(p - lr * g, -c, c)``, a
+        projected step; ``top_k(scores[:, None] + log_probs)``, a beam search's scores).
       sentinel: sentinel-scaled: a forward product by a literal constant beyond the half
         range, or a value moved or combined from such and frozen values only (see
         :func:`sentinel_scaled`); clamped to the half range when cast, as a frozen value is.
@@ -74,13 +77,11 @@ COMBINES = ("add", "sub", "add_any")
 #: Elementwise primitives whose result is linear in each operand of its shape (a product or
 #: quotient only in an operand the other factor is not derived from: see ``Origin.derived``).
 _LINEAR = frozenset(
-    {*COMBINES, "neg", "mul", "div", "select_n", "convert_element_type", "copy", "copy_p"}
-    | {"reduce_precision", "select_if_vmap", "nonbatchable"}
+    {*COMBINES, "neg", "mul", "div", "convert_element_type", "copy", "copy_p"}
+    | {"reduce_precision", "nonbatchable"}
 )
 
 
-#: Clips: the state they project stays state once updated (see ``leaf_origin``).
-_PROJECTIONS = ("max", "min", "clamp")
 #: Data movement: each element of the result is an element of a float operand (or a fill
 #: value), so the result is linear in every state its operands are, whatever the shapes:
 #: ``ravel_pytree``'s flat vector, an ODE state updated as ``y.T + dt * k.T`` or in slices
@@ -90,9 +91,26 @@ _MOVES = frozenset(
     {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "rev", "slice"}
     | {"dynamic_slice", "dynamic_update_slice", "gather", "scatter", "concatenate", "pad", "split"}
     | set(ANNOTATIONS)
+    | {"stack", "unstack", "tile", "broadcast_to", "all_gather", "all_gather_invariant"}
+    | {"sharding_constraint", "layout_constraint", "optimization_barrier"}
+)
+#: Selection: each element of the result is an element of a float operand (or a constant)
+#: *picked by data*, as a gather by computed indices is: ``top_k``'s values and ``sort`` (beam
+#: search's ``top_k(scores[:, None] + log_probs)``), ``max``/``min``/``reduce_max``/``cummax``,
+#: ``where`` (``select_n``), clips (``clamp``). Picking moves values as placing does, so a
+#: selection hands on the states its operands hold, and an update stays one (``top_k`` of an
+#: accumulation, ``clip(p - lr * g, lo, hi)``, ``where(ok, new, old)``); a selection alone
+#: adds nothing, so a running maximum (``max(m, x)``) is no update (see ``leaf_origin``).
+#: A multi-operand ``sort`` is taken whole: each output is said to hold every operand's states.
+_SELECTIONS = frozenset(
+    {"select_n", "select_if_vmap", "max", "min", "clamp", "reduce_max", "reduce_min"}
+    | {"cummax", "cummin", "top_k", "approx_top_k", "sort", "scatter-max", "scatter_max"}
+    | {"scatter-min", "scatter_min", "reduce_window_max", "reduce_window_min", "pmax", "pmin"}
 )
 #: ``operand.at[i].add(updates)``: an addition, placed.
 SCATTER_COMBINES = frozenset({"scatter-add", "scatter_add", "scatter-sub", "scatter_sub"})
+#: Primitives whose result is linear in (or holds elements of) the states of its operands.
+LINEAR_OR_MOVING = _LINEAR | _MOVES | _SELECTIONS | SCATTER_COMBINES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +222,7 @@ def leaf_origin(eqn: Any, listed: str, ins: list[Origin]) -> Origin:
     derived: frozenset[int] = frozenset()
     updates: frozenset[int] = frozenset()
     name = eqn.primitive.name
-    if name in _PROJECTIONS and eqn.outvars:
-        # A clip of an updated state is the state projected (``clip(p - lr * g, lo, hi)``);
-        # a clip of the raw state (``relu(old)``) is a nonlinear function of it.
-        updates = frozenset().union(*(o.updates for o in ins))
-        return Origin(const=const, frozen=frozen, copy_of=copy_of, derived=updates, updates=updates)
-    if (name in _MOVES or name in SCATTER_COMBINES) and eqn.outvars:
+    if (name in _MOVES or name in _SELECTIONS or name in SCATTER_COMBINES) and eqn.outvars:
         per = [o.derived for a, o in zip(eqn.invars, ins, strict=True) if _is_float(a.aval.dtype)]
         derived = frozenset().union(*per)
         updates = frozenset().union(*(o.updates for o in ins)) & derived
@@ -271,17 +284,26 @@ def loop_result_origins(
 
 
 def stacked_origins(
-    states: list[int | None], outer: list[Origin], results: list[Origin]
+    states: list[int | None], outer: list[Origin], carried: list[Origin], results: list[Origin]
 ) -> list[Origin]:
     """The origins of a scan's stacked outputs (``ys``), seen from outside, from the body's
-    ``results`` for them: a copy of what was scanned stays one, and a per-iteration update of
-    a scanned state (``xs``: a layer's running statistics in a scan over layers) is an update
-    of the stacked state."""
+    ``results`` for them (``carried``: its results for the carries): a copy of what was
+    scanned, of a loop constant or of a carry the body hands on unchanged stays one, and a
+    per-iteration update of a scanned state (``xs``: a layer's running statistics in a scan
+    over layers) is an update of the stacked state. A carry the body changes is a copy of
+    what entered it on the first trip only: its values stacked (an RNN's hidden states,
+    ``scan(cell, h0, xs)`` with ``h0`` an argument) are no copy."""
     local = frozenset(s for s in states if s is not None)
+    changed = frozenset(
+        s
+        for s, o_in, o_out in zip(states, outer, carried, strict=True)
+        if s is not None and (o_in.copy_of is None or o_out.copy_of != o_in.copy_of)
+    )
     out = []
     for o_out in results:
         o = _seen_from_outside(o_out, states, outer, local)
-        out.append(dataclasses.replace(o, copy_of=o_out.copy_of))
+        copy_of = None if o_out.derived & changed else o_out.copy_of
+        out.append(dataclasses.replace(o, copy_of=copy_of))
     return out
 
 

@@ -113,17 +113,33 @@ _INCREMENT_KEYS = frozenset(
 )
 
 
-def _keep_state_chain(
-    g: Graph, p: Painting, states: frozenset[int], roots: list[int], owns: frozenset[int]
-):
-    """Keeps float32 the chain carrying ``states`` to ``roots`` (nodes linear in them;
-    ``owns``: the loop carries holding them) and the linear tail of what is added to them."""
+def state_chain(
+    g: Graph, states: frozenset[int], roots: list[int], owns: frozenset[int] = frozenset()
+) -> list[int]:
+    """The chain carrying ``states`` to ``roots``: the nodes linear in them on the way up from
+    ``roots`` (``owns``: the loop carries holding them)."""
 
     def in_chain(v: Node) -> bool:
         linear = bool(states & v.origin.derived) and (v.eqn is not None or v.key in _STATE_VERTICES)
         return v.id in owns or linear
 
-    chain = _walk_up(g, roots, in_chain)
+    return _walk_up(g, roots, in_chain)
+
+
+def recurrence_chains(g: Graph) -> list[list[int]]:
+    """Per float32 loop carry the body updates from itself (``LoopState.recurrent``), the
+    chain from the carries of its cycle to its next value."""
+    carries = {ls.state: ls.carry for ls in g.loop_states}
+    return [
+        state_chain(g, ls.cycle, [ls.root], frozenset(carries[s] for s in ls.cycle))
+        for ls in g.loop_states
+        if ls.recurrent and g.nodes[ls.carry].float32
+    ]
+
+
+def _keep_state_chain(g: Graph, p: Painting, chain: list[int]) -> None:
+    """Keeps float32 a state's ``chain`` (see :func:`state_chain`) and the linear tail of
+    what is added to it."""
     members = set(chain)
     starts = [f for i in chain for f in g.nodes[i].fanin if f not in members]
 
@@ -270,12 +286,9 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
             if inp.shape == aval.shape or stepped(g, j, src, len(inp.shape)):
                 roots_by_input.setdefault(j, []).append(src)
     for j, roots in roots_by_input.items():
-        _keep_state_chain(g, p, frozenset({j}), roots, frozenset())
-    carries = {ls.state: ls.carry for ls in g.loop_states}
-    for ls in g.loop_states:
-        if ls.recurrent and g.nodes[ls.carry].float32:
-            owns = frozenset(carries[s] for s in ls.cycle)
-            _keep_state_chain(g, p, ls.cycle, [ls.root], owns)
+        _keep_state_chain(g, p, state_chain(g, frozenset({j}), roots))
+    for chain in recurrence_chains(g):
+        _keep_state_chain(g, p, chain)
 
 
 def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...]]:
@@ -295,9 +308,11 @@ def half_accumulating_carries(g: Graph, p: Painting) -> dict[int, tuple[int, ...
         body = set(ls.body)
 
         def elementwise(v: Node, r: int, body: set[int] = body) -> bool:
-            return v.id == r or (v.id in body and v.listed_kind != ALLOW)
+            return v.id in body and v.listed_kind != ALLOW
 
-        ahead = set(_dfs([ls.carry], _fanout, g.nodes, elementwise))
+        # From the carry forward, and back from its next value (a matmul's result is none:
+        # an RNN's ``h @ w``, its backward pass's ``ct @ w.T``, reach it through the matmul).
+        ahead = set(_dfs([ls.carry], _fanout, g.nodes, lambda v, r: v.id == r or elementwise(v, r)))
         path = [i for i in _dfs([ls.root], _fanin, g.nodes, elementwise) if i in ahead]
         if any(g.nodes[i].key in COMBINES for i in path):
             found[ls.carry] = tuple(sorted(path))
