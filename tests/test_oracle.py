@@ -23,9 +23,12 @@ No expectation is written by hand. Per output, the oracle asserts:
    ``exp`` of one, through calls, a ``cond``, a zero-trip loop, a carry passed on unchanged,
    a state whose loop ran zero times or whose ``cond`` did not update it) is bit-exact, in
    the rewrite and in the reference;
-4. the rewrite creates no inf/NaN: every element finite in float32 *and* in the reference
-   is finite in the rewrite (a value that overflows half in the reference, as by hand, may
-   overflow in the rewrite too);
+4. overflow in both directions: the rewrite creates no inf/NaN (every element finite in
+   float32 *and* in the reference is finite in the rewrite), and hides none (an element the
+   reference overflows to infinity, finite in float32, is not finite in the rewrite either:
+   the reference saturates only what a constant put out of range, as the rewrite does, so
+   its infinities are computed values overflowing honestly, ``exp(x) / 0.5``, a gradient
+   through a mask bias);
 5. its error is bounded by the reference's: with ``e = ||y - y64|| / ||y64||`` over the
    elements finite in float64, float32 and the reference, medians over the draws,
    ``e_rewrite <= FACTOR * e_reference + SLACK * u`` (``u``: the half type's unit roundoff,
@@ -69,7 +72,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from program_gen import Attention, Copy, Program, State, programs, transformed
+from program_gen import (
+    Attention,
+    Copy,
+    MaskBias,
+    Overflow,
+    Program,
+    State,
+    programs,
+    transformed,
+)
 
 import jmp_rewrite
 
@@ -177,6 +189,15 @@ def judge(program: Program, dtype: Any, out: dict[str, list[dict]]) -> Verdict:
                     f"finite in float32 and in the reference (draw {d})"
                 )
                 break
+            # the other direction: the reference overflows a computed value honestly (a
+            # constant's values are saturated in both), so the rewrite must not saturate it
+            hidden = np.isfinite(f32) & np.isinf(rf) & np.isfinite(rw)
+            if hidden.any():
+                problems[name] = (
+                    f"{name}: {int(hidden.sum())} of {hidden.size} values finite after the "
+                    f"rewrite where the reference overflows, float32 finite (draw {d})"
+                )
+                break
             keep = np.isfinite(t) & np.isfinite(f32) & np.isfinite(rf)
             scale = float(np.linalg.norm(t[keep])) or 1.0
             errs.append(
@@ -270,6 +291,27 @@ COUNTEREXAMPLES = [
         Program((Attention("neg3e38_mul", before_scale=True),)),
         BF16,
         id="item1-3e38-before-scale-bf16",
+    ),
+    # issue 28 item 2 (a-d), found by the generator on the code before the fix: a
+    # relative-position bias plus the fill (a), a float mask argument (b), a bias through a
+    # cond (c), a jnp.full fill (d): NaN rows
+    pytest.param(Program((MaskBias("relative", "finfo", mask="int"),)), F16, id="masks-a-f16"),
+    pytest.param(Program((MaskBias("relative", "finfo", mask="int"),)), BF16, id="masks-a-bf16"),
+    pytest.param(Program((MaskBias("none", "neg1e9", mask="input"),)), F16, id="masks-b-f16"),
+    pytest.param(
+        Program((MaskBias("none", "finfo", "cond", mask="int"),)), BF16, id="masks-c-bf16"
+    ),
+    pytest.param(Program((MaskBias("alibi", "full", mask="input"),)), F16, id="masks-d-f16"),
+    pytest.param(
+        Program((MaskBias("relative", "finfo16", "scan", mask="int"),)), F16, id="masks-f16min"
+    ),
+    # issue 29 family 6: computed values beyond the range overflow in the rewrite too
+    pytest.param(Program((Overflow("exp_div"),)), F16, id="overflow-div-f16"),
+    pytest.param(Program((Overflow("exp_plus_bias"),)), F16, id="overflow-bias-f16"),
+    pytest.param(
+        Program((MaskBias("none", "neg1e9", mask="computed"),), transform="grad_outer"),
+        F16,
+        id="overflow-mask-gradient-f16",
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),

@@ -42,6 +42,7 @@ T_FP8 = "tests/test_fp8.py::"
 T_R4 = "tests/test_round4_numerics.py::"
 T_SYM = "tests/test_symbolic_shapes.py::"
 T_PINS = "tests/test_behaviour_pins.py::"
+T_MASKS = "tests/test_mask_values.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -382,8 +383,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.outputs_not_cast_back",
         "emit.py",
-        "        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]",
-        "        return [read(a) for a in jaxpr.outvars]",
+        "            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)",
+        "            for a, d in zip(jaxpr.outvars, [None] * len(out_dtypes), strict=True)",
         T_REWRITE + "test_matches_float32_and_keeps_signature",
         "rewritten outputs come back in half precision",
     ),
@@ -873,10 +874,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.only_constants_clamped",
         "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.const or o.sentinel for o in in_origins)",
-        T_R4 + "test_padded_rows_are_uniform_as_in_float32",
-        "[21.1] a padding bias built from an int mask overflows to -inf: padded rows are NaN",
+        "            erec.clamped_operands = tuple(forward and o.frozen for o in in_origins)",
+        "            erec.clamped_operands = tuple(forward and o.const for o in in_origins)",
+        T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
+        "[21.1] a padding value cast from an int array overflows to -inf: masked rows NaN",
     ),
     _m(
         "graph.integers_not_frozen",
@@ -1169,28 +1170,80 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- masks-float (issue 21 item 1: a float mask argument's padding bias) --
     _m(
-        "graph.sentinel_not_clamped",
-        "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
-        T_R4 + "test_a_float_mask_argument_pads_as_in_float32",
-        "[21.1] a float mask argument's bias (1 - m) * finfo.min is -inf in half: NaN rows",
-    ),
-    _m(
-        "origins.sentinel_any_constant",
-        "origins.py",
-        '        return any(limit < b < float("inf") for b in big)',
-        '        return any(0.0 < b < float("inf") for b in big)',
-        T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
-        "[21.1] a product by a constant within the half range is clamped: an overflow hidden",
-    ),
-    _m(
         "emit.saturate_zero_derivative",
         "clamping.py",
-        "(_saturate(primals[0], lo, hi), tangents[0]))",
-        "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
+        "(saturate(primals[0], lo, hi), tangents[0]))",
+        "(saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",
-        "[21.1] the gradient to a float mask through its clamped sentinel bias is zero",
+        "[21.1] the gradient to a float mask through its clamped bias is zero",
+    ),
+    # -- masks (issue 28 item 2, issue 29 family 6): big values, honest overflow --
+    _m(
+        "origins.big_seed_ignores_literals",
+        "origins.py",
+        "    return any(o.big or (v is not None and beyond(v, limit)) for o, v in floats)",
+        "    return any(o.big for o, v in floats)",
+        T_MASKS + "test_every_spelling",
+        "[28.2] a product by a literal fill is no big value: -inf in half, NaN rows",
+    ),
+    _m(
+        "origins.any_literal_big",
+        "origins.py",
+        "    return bool(a.size) and float(a.max()) >= limit",
+        "    return bool(a.size) and float(a.max()) >= 0.0",
+        (
+            T_MASKS + "test_a_computed_value_divided_by_a_literal_overflows",
+            T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
+        ),
+        "[29.6] a product by any literal is big: exp(x) / 0.5 saturates instead of overflowing",
+    ),
+    _m(
+        "graph.call_literal_fill_not_big",
+        "graph.py",
+        "                return BIG_CONST if big else CONST",
+        "                return CONST",
+        T_MASKS + "test_encoders_end_to_end",
+        "[28.2a] a fill handed to jnp.where's jit is no big value: T5 padded rows NaN",
+    ),
+    _m(
+        "graph.backward_big",
+        "graph.py",
+        "                if self.limit is not None and not self._backward:",
+        "                if self.limit is not None:",
+        T_MASKS + "test_the_gradient_through_a_mask_bias_overflows",
+        "[29.6] a cotangent times a fill is pinned: the gradient is finite and wrong",
+    ),
+    _m(
+        "masking.opposite_flags_do_not_cancel",
+        "masking.py",
+        "                    flag = jnp.where(flag == 0, f, jnp.where(f == -flag, 0, flag))",
+        "                    flag = jnp.where(flag == 0, f, flag)",
+        T_MASKS + "test_every_boundary",
+        "[28.2] x - max(x) of a fully masked row stays pinned: exp gives 0/0, NaN rows",
+    ),
+    _m(
+        "masking.product_flag_kept_in_range",
+        "masking.py",
+        "                return jnp.where(any_flag, self.beyond(out), 0).astype(np.int8)",
+        "                return jnp.where(any_flag, -1, 0).astype(np.int8)",
+        T_MASKS + "test_a_computed_value_plus_a_mask_bias",
+        "[29.6] (1 - m) * -1e9 stays flagged where m = 1: exp(x) there saturates, no overflow",
+    ),
+    _m(
+        "emit.boundary_result_not_pinned",
+        "emit.py",
+        "            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))",
+        "            read(a, d)",
+        T_MASKS + "test_every_boundary",
+        "[28.2c] a bias handed out of a cond or loop body in half is -inf: NaN rows",
+    ),
+    _m(
+        "masking.pin_zero_derivative",
+        "masking.py",
+        "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), tangents[0]))",
+        "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), 0 * tangents[0]))",
+        T_R4 + "test_a_float_mask_argument_has_float32_gradients",
+        "[28.2] the gradient to a float mask through its pinned bias is zero",
     ),
     # ---- branch cond-state (issue 21 item 8): an input handed on by a branch is float32 ----
     _m(

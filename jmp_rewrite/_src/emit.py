@@ -31,11 +31,12 @@ from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import custom_rules, shapes
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.clamping import clamp, literal
+from jmp_rewrite._src.clamping import _fits, clamp, literal
 from jmp_rewrite._src.custom_rules import cast
 from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
 from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.masking import Flags
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
@@ -187,6 +188,8 @@ class Emitter:
         #: > 0 while a body is being traced for re-binding (values are tracers there).
         self.depth = 0
         self.where = ""
+        #: which elements of big values a constant put out of range (see ``masking``).
+        self.flags = Flags(self.half)
 
     # -- dtype decisions -----------------------------------------------------------------
 
@@ -226,7 +229,10 @@ class Emitter:
         self.where = f"{scope.path}<outputs>"
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars]
-        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
+        return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
+            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))
+            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)
+        ]
 
     def controller(self) -> Staged:
         """The control in force: bodies traced for re-binding are always staged."""
@@ -282,7 +288,7 @@ class Emitter:
         else:
             wanted = [None] * len(eqn.invars)
         return [
-            read(a, d, _clamped(rec, i))
+            read(a, d, _clamped(rec, i), self._big(rec, i))
             for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True))
         ]
 
@@ -300,11 +306,11 @@ class Emitter:
         casts: dict[tuple[int, Any], Any] = {}
         keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
 
-        def read(atom: Any, dtype: Any = None, const: bool = False) -> Any:
+        def read(atom: Any, dtype: Any = None, const: bool = False, big: bool = False) -> Any:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
                 if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
-                    return literal(val, dtype)
+                    return literal(val, dtype, const or big)
                 return val
             val = env[atom]
             if dtype is None or not is_float(atom.aval.dtype):
@@ -312,16 +318,29 @@ class Emitter:
             dtype = np.dtype(dtype)
             if jnp.result_type(val) == dtype:
                 return val
-            key = (id(val), dtype)
+            key = (id(val), dtype, const, big)
             if key not in casts:
                 keep.append(val)
-                # A constant (a mask value, a captured sentinel) is clamped to the half range
-                # rather than overflowing; computed values overflow honestly.
-                casts[key] = lax.convert_element_type(clamp(val, dtype) if const else val, dtype)
+                casts[key] = lax.convert_element_type(self._in_range(val, dtype, const, big), dtype)
                 self.hooks.cast(self.where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
         return read
+
+    def _big(self, rec: EqnRec, i: int) -> bool:
+        """Whether operand ``i`` of a forward equation is big (``Origin.big``; the painting's
+        closure through loop carries included)."""
+        if rec.big_operands and rec.big_operands[i]:
+            return True
+        return bool(rec.operand_nodes) and rec.operand_nodes[i] in self.painting.big
+
+    def _in_range(self, val: Any, dtype: Any, const: bool, big: bool) -> Any:
+        """``val`` ready for its cast to ``dtype``: a frozen value (a constant, a mask) is
+        clamped to its range, a big one saturated where a constant put it out of range
+        (``masking``); computed values are left to overflow honestly."""
+        if big and not _fits(jnp.result_type(val), dtype):
+            return self.flags.in_range(val)
+        return clamp(val, dtype) if const else val
 
     # -- staging bodies --------------------------------------------------------------------
 
@@ -403,27 +422,31 @@ class Emitter:
             operand = read(eqn.invars[0])
             if half:
                 params["new_dtype"] = self.half
-                if _clamped(rec, 0):
-                    operand = clamp(operand, self.half)
+                operand = self._in_range(operand, self.half, _clamped(rec, 0), self._big(rec, 0))
             return bind(eqn, [operand], params)
         if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
             return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
         invals = [
-            read(a, self.target(node, a.aval.dtype), _clamped(rec, i))
+            read(a, self.target(node, a.aval.dtype), _clamped(rec, i), self._big(rec, i))
             for i, a in enumerate(eqn.invars)
         ]
         params = dict(eqn.params)
+        outs = None
         if half:
             for key in _DTYPE_PARAMS:
                 if key in params and params[key] is not None and is_f32(params[key]):
                     params[key] = self.half
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
-                return [self._scatter(eqn, invals)]
-            if _transpose_accumulates(eqn, rec):
-                return _float32_tangents(eqn, invals, params)
-        return bind(eqn, invals, params)
+                outs = [self._scatter(eqn, invals)]
+            elif _transpose_accumulates(eqn, rec):
+                outs = _float32_tangents(eqn, invals, params)
+        outs = bind(eqn, invals, params) if outs is None else outs
+        if node in self.painting.big and len(outs) == 1 and is_float(jnp.result_type(outs[0])):
+            big = [self._big(rec, i) for i in range(len(eqn.invars))]
+            return [self.flags.pinned(eqn, invals, big, outs[0])]  # see ``masking``
+        return outs
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
         fun = _SCATTER_FUNS.get(eqn.primitive.name)

@@ -46,15 +46,16 @@ from jmp_rewrite._src.equations import (
     op_key,
 )
 from jmp_rewrite._src.origins import (
-    CONST,
     NOWHERE,
     LoopState,
     Origin,
+    big_seed,
+    const_origin,
+    const_origins,
     leaf_origin,
     loop_result_origins,
     recurrent_states,
     select_origin,
-    sentinel_scaled,
     stacked_origins,
 )
 from jmp_rewrite._src.regions import in_float32_region
@@ -121,6 +122,7 @@ class Node:
       unit: id of the fused unit this node sits in, if any.
       region: inside a :func:`jmp_rewrite.float32_region`.
       origin: where its value comes from (see :class:`Origin`).
+      backward: computed by a backward (transposed) equation.
     """
 
     id: int
@@ -136,6 +138,7 @@ class Node:
     unit: int | None = None
     region: bool = False
     origin: Origin = NOWHERE
+    backward: bool = False
     fanin: list[int] = dataclasses.field(default_factory=list)
     fanout: list[int] = dataclasses.field(default_factory=list)
 
@@ -192,8 +195,12 @@ class EqnRec:
     const_operands: tuple[bool, ...] = ()
     #: per operand, its :class:`Origin` (float8 tells parameters from activations by it).
     operand_origins: tuple[Origin, ...] = ()
-    #: per operand: frozen or a sentinel (see :class:`Origin`), clamped when cast to half.
+    #: per operand of a forward equation (backward ones overflow honestly): frozen (see
+    #: :class:`Origin`), clamped into half; big (``Origin.big``), pinned (``masking``).
     clamped_operands: tuple[bool, ...] = ()
+    big_operands: tuple[bool, ...] = ()
+    #: per operand of a forward equation: its source node (for ``Emitter._big``).
+    operand_nodes: tuple[int | None, ...] = ()
 
 
 @dataclasses.dataclass
@@ -214,9 +221,8 @@ class Graph:
 
     def __init__(self, closed: Any, lists: Any, half: Any = None):
         self.lists = lists
-        #: the half dtype's largest finite value: a product by a literal beyond it is a
-        #: sentinel (see ``origins.sentinel_scaled``); None (no dtype given): none is.
-        self.sentinel_limit = None if half is None else float(jnp.finfo(half).max)
+        #: the half type's largest finite value (``origins.big_seed``); None: no dtype given.
+        self.limit = None if half is None else float(jnp.finfo(half).max)
         self.nodes: list[Node] = []
         self._n_recs = 0
         #: an opaque equation's bodies hold float32 allowlist ops: the program changes even
@@ -225,7 +231,7 @@ class Graph:
         self._backward = False  # while building: inside a backward pass (transposed)
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
-        origins = [CONST] * len(jaxpr.constvars) + [
+        origins = const_origins(jc.consts_of(closed), len(jaxpr.constvars), self.limit) + [
             Origin(copy_of=j, derived=frozenset({j})) for j in range(len(jaxpr.invars))
         ]
         #: the program's input avals (``Origin.copy_of`` / ``derived`` index them).
@@ -312,7 +318,9 @@ class Graph:
             return env.get(atom)
 
         def origin(atom: Any) -> Origin:
-            return CONST if jc.is_literal(atom) else origins.get(atom, NOWHERE)
+            if jc.is_literal(atom):  # a fill passed to a call (``jnp.where``'s jit) is big
+                return const_origin(jc.literal_value(atom), self.limit)
+            return origins.get(atom, NOWHERE)
 
         outer_backward = self._backward
         for eqn in jaxpr.eqns:
@@ -360,16 +368,20 @@ class Graph:
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
             if out_origins is None:  # a leaf, opaque equation or fused unit
                 o = leaf_origin(eqn, self.lists.kind(key), in_origins)
-                if self.sentinel_limit is not None and not self._backward:
-                    lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
-                    if sentinel_scaled(eqn, in_origins, lits, self.sentinel_limit):
-                        o = dataclasses.replace(o, sentinel=True)
+                lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
+                if self.limit is not None and not self._backward:
+                    o = dataclasses.replace(o, big=big_seed(eqn, in_origins, lits, self.limit, key))
                 out_origins = [o] * len(eqn.outvars)
                 if erec.node is not None:
                     self.nodes[erec.node].origin = o
+            if erec.node is not None:
+                self.nodes[erec.node].backward = self._backward
             erec.const_operands = tuple(o.const for o in in_origins)
             erec.operand_origins = tuple(in_origins)
-            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)
+            forward = not self._backward
+            erec.clamped_operands = tuple(forward and o.frozen for o in in_origins)
+            erec.big_operands = tuple(forward and o.big for o in in_origins)
+            erec.operand_nodes = tuple(ins) if forward else ()
             for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src
@@ -549,7 +561,7 @@ class Graph:
                 state, self._n_states = self._n_states, self._n_states + 1
             states.append(state)
             derived = frozenset() if state is None else frozenset({state})
-            origins.append(Origin(copy_of=o.copy_of, derived=derived))
+            origins.append(Origin(copy_of=o.copy_of, derived=derived, big=o.big))
         return origins, states
 
     def _carry_origins(self, carries, states, outer, bouts, bout_origins, body):
@@ -586,7 +598,7 @@ class Graph:
             path,
             region,
             unit,
-            [CONST] * n_consts + list(origins),
+            const_origins(jc.consts_of(body), n_consts, self.limit) + list(origins),
         )
 
     def _consts(self, atoms, sources, path, process, unit, origins):
@@ -599,7 +611,7 @@ class Graph:
 
     def _copies(self, nodes, origins):
         """Loop consts hand their operand on unchanged."""
-        self._set_origins(nodes, [Origin(copy_of=o.copy_of) for o in origins])
+        self._set_origins(nodes, [Origin(copy_of=o.copy_of, big=o.big) for o in origins])
 
     def _set_origins(self, nodes, origins):
         for node, o in zip(nodes, origins, strict=True):
