@@ -12,10 +12,10 @@ dataclass (so a counterexample prints as the Python literal that rebuilds it):
   added before or after the scaling;
 * :class:`MaskBias` -- ``softmax(q k^T + pos + fill bias) v``: a computed bias (T5's
   learned relative positions, ALiBi's slopes, none) plus a mask fill beyond the half range
-  (``finfo(float32).min``, ``-1e9``, ``-1e10``, a ``jnp.full`` array, ``finfo(float16).min``),
-  the bias built across a boundary (``cond``, ``scan``, ``while_loop``, ``jit``,
-  ``checkpoint``, ``custom_vjp``), its mask an input, an integer mask or one a half matmul
-  computes (``sigmoid``: the gradient through the bias is ~1e9, and overflows float16);
+  (``finfo(float32).min``, ``-1e9``, ``-1e10``, a ``jnp.full`` array), the bias built
+  across a boundary (``cond``, ``scan``, ``while_loop``, ``jit``, ``checkpoint``,
+  ``custom_vjp``), its mask an input, an integer mask or one a half matmul computes
+  (``sigmoid``: the gradient through the bias is ~1e9, and overflows float16);
 * :class:`Overflow` -- values beyond the half range from computation, read by a matmul:
   ``exp(c x)``, ``exp(c x) / 0.5``, ``exp(c x)`` plus a mask bias; they overflow honestly in
   half (the oracle: where the reference overflows, the rewrite must too);
@@ -56,7 +56,6 @@ from test_invariants import ACTIVATIONS, LOSSES
 
 B, D, N = 8, 16, 32  # batch (= sequence), width, scatter-add updates
 FMIN = jnp.finfo(jnp.float32).min  # a numpy float32 scalar, as Hugging Face writes it
-F16MIN = float(jnp.finfo(jnp.float16).min)
 # Repeated scatter indices (embedding-gradient style) and the values each one reads.
 IDX = np.random.default_rng(8).integers(0, 4, N).astype(np.int32)
 IDX_SRC = np.random.default_rng(9).integers(0, D, N).astype(np.int32)
@@ -142,7 +141,9 @@ class State:
 
 MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
 POSITION_BIASES = ("none", "relative", "alibi")
-FILLS = ("finfo", "neg1e9", "neg1e10", "full", "finfo16")
+# (``finfo(float16).min`` is pinned in float16, where float32 keeps ``s - 65504`` distinct
+# per score: the oracle's reference cannot judge it; ``tests/test_mask_values.py`` does)
+FILLS = ("finfo", "neg1e9", "neg1e10", "full")
 BIAS_ROUTES = ("plain", "cond", "scan", "while_loop", "jit", "checkpoint", "custom_vjp")
 OVERFLOWS = ("exp", "exp_div", "exp_plus_bias")
 COPY_ROUTES = ("plain", "jit", "checkpoint", "cond_ones", "cond_const", "scan0", "fori_carried")
@@ -264,7 +265,7 @@ def _fill_bias(blk: MaskBias, keep: jax.Array) -> jax.Array:
     """The mask's bias: 0 where ``keep``, the fill elsewhere."""
     if blk.fill == "full":
         return (1.0 - keep) * jnp.full(keep.shape, -1e9)
-    fill = {"finfo": FMIN, "neg1e9": -1e9, "neg1e10": -1e10, "finfo16": F16MIN}[blk.fill]
+    fill = {"finfo": FMIN, "neg1e9": -1e9, "neg1e10": -1e10}[blk.fill]
     return jnp.where(keep > 0, 0.0, fill)
 
 

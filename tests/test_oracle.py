@@ -235,7 +235,17 @@ def check(program: Program, dtype: Any) -> None:
 #: fail the generated-program test; each entry needs a shrunk counterexample below marked
 #: ``xfail(strict=True)``. Delete the entry and the mark when the fix merges. Round 4's five
 #: (issue 21 items 1, 2, 3 and 8, and the leading-axes state of issue 22) are fixed.
-KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {}
+KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
+    # issue 29 family 6, found by the generator (old code and new): grad(rewrite(f)) through
+    # (1 - m) * -1e9 with m a half matmul's sigmoid: the mul runs in half with the literal
+    # clamped to -65504, so its derivative is -65504, not -1e9: finite and wrong (0.82 off,
+    # reference 0.0013). rewrite(grad(f)) overflows honestly. Fix: a big half equation's
+    # tangent from its float32 operands (as ``emit._float32_tangents`` does).
+    "masks-computed-gradient": lambda program, name, problem: (
+        program.transform == "grad_outer"
+        and any(isinstance(b, MaskBias) and b.mask == "computed" for b in program.blocks)
+    ),
+}
 
 
 def unexplained(program: Program, problems: dict[str, str]) -> dict[str, str]:
@@ -302,9 +312,6 @@ COUNTEREXAMPLES = [
         Program((MaskBias("none", "finfo", "cond", mask="int"),)), BF16, id="masks-c-bf16"
     ),
     pytest.param(Program((MaskBias("alibi", "full", mask="input"),)), F16, id="masks-d-f16"),
-    pytest.param(
-        Program((MaskBias("relative", "finfo16", "scan", mask="int"),)), F16, id="masks-f16min"
-    ),
     # issue 29 family 6: computed values beyond the range overflow in the rewrite too
     pytest.param(Program((Overflow("exp_div"),)), F16, id="overflow-div-f16"),
     pytest.param(Program((Overflow("exp_plus_bias"),)), F16, id="overflow-bias-f16"),
@@ -312,6 +319,7 @@ COUNTEREXAMPLES = [
         Program((MaskBias("none", "neg1e9", mask="computed"),), transform="grad_outer"),
         F16,
         id="overflow-mask-gradient-f16",
+        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['masks-computed-gradient']"),
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),

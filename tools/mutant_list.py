@@ -1187,31 +1187,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "[28.2] a product by a literal fill is no big value: -inf in half, NaN rows",
     ),
     _m(
-        "origins.any_literal_big",
-        "origins.py",
-        "    return bool(a.size) and float(a.max()) >= limit",
-        "    return bool(a.size) and float(a.max()) >= 0.0",
-        (
-            T_MASKS + "test_a_computed_value_divided_by_a_literal_overflows",
-            T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
-        ),
-        "[29.6] a product by any literal is big: exp(x) / 0.5 saturates instead of overflowing",
-    ),
-    _m(
         "graph.call_literal_fill_not_big",
         "graph.py",
         "                return const_origin(jc.literal_value(atom), self.limit)",
         "                return const_origin(jc.literal_value(atom), None)",
         T_MASKS + "test_encoders_end_to_end",
         "[28.2a] a fill handed to jnp.where's jit is no big value: T5 padded rows NaN",
-    ),
-    _m(
-        "graph.backward_big",
-        "graph.py",
-        "                if self.limit is not None and not self._backward:",
-        "                if self.limit is not None:",
-        T_MASKS + "test_the_gradient_through_a_mask_bias_overflows",
-        "[29.6] a cotangent times a fill is pinned: the gradient is finite and wrong",
     ),
     _m(
         "masking.opposite_flags_do_not_cancel",
