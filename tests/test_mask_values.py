@@ -139,15 +139,20 @@ def _args(mask: str = "int"):
     return WQ, WK, X, REL, AM if mask == "int" else AM.astype(np.float32)
 
 
-def _check(f, dtype, mask="int"):
-    """Fully masked rows uniform as in float32, none non-finite, the rest close."""
+def _check(f, dtype, mask="int", edge=False):
+    """Fully masked rows uniform as in float32, none non-finite, the rest close. An
+    ``edge`` fill (``finfo(float16).min`` in float16) leaves float32's fully masked rows
+    ``softmax(s - 65504)``, not uniform: pinned, they are uniform, as hand-written float16
+    rounds them; only the other rows are compared."""
     args = _args(mask)
     ref = np.asarray(f(*args))
     out = np.asarray(jr.rewrite(f, dtype=dtype)(*args), np.float32)
     assert np.isfinite(ref).all()
     assert np.isfinite(out).all(), f"{int((~np.isfinite(out)).sum())} non-finite"
     np.testing.assert_allclose(out[2], np.full((T, T), 1 / T), rtol=1e-2)  # fully masked
-    np.testing.assert_allclose(out, ref, atol=0.1 if dtype == BF16 else 0.02)  # scores ~10
+    rows = slice(0, 2) if edge else slice(None)
+    tol = 0.1 if dtype == BF16 else 0.02  # scores ~10
+    np.testing.assert_allclose(out[rows], ref[rows], atol=tol)
 
 
 @HALF
@@ -169,7 +174,8 @@ def test_every_spelling(dtype, spelling, fill, mask):
     value = _fill(fill, dtype)
     if abs(value) < float(jnp.finfo(dtype).max):
         pytest.skip("the fill is within this half type's range: no constant beyond it")
-    _check(_attention(spelling, value, "plain", True, mask), dtype, mask)
+    edge = abs(value) == float(jnp.finfo(dtype).max)
+    _check(_attention(spelling, value, "plain", True, mask), dtype, mask, edge)
 
 
 @HALF
