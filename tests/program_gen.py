@@ -15,7 +15,7 @@ dataclass (so a counterexample prints as the Python literal that rebuilds it):
   (``finfo(float32).min``, ``-1e9``, ``-1e10``, a ``jnp.full`` array), the bias built
   across a boundary (``cond``, ``scan``, ``while_loop``, ``jit``, ``checkpoint``,
   ``custom_vjp``), its mask an input, an integer mask or one a half matmul computes
-  (``sigmoid``: the gradient through the bias is ~1e9, and overflows float16);
+  (``m @ e``: the gradient through the bias is ~1e9, and overflows float16);
 * :class:`Overflow` -- values beyond the half range from computation, read by a matmul:
   ``exp(c x)``, ``exp(c x) / 0.5``, ``exp(c x)`` plus a mask bias; they overflow honestly in
   half (the oracle: where the reference overflows, the rewrite must too);
@@ -177,6 +177,7 @@ class Program:
             "kernel": f32(rng.standard_normal((3, D, D)) / np.sqrt(3 * D)),
             "m": f32(attention_mask(self.seed)),
             "rel": f32(0.5 * rng.standard_normal((2 * B - 1,))),  # relative-position bias
+            "e": f32(np.eye(B)),  # a computed mask's weight: ``m @ e`` is the mask, 0 or 1
         }
 
     def exact(self) -> frozenset[str]:
@@ -262,10 +263,13 @@ def _attention(i: int, blk: Attention, h: jax.Array, p: dict[str, Any]) -> tuple
 
 
 def _fill_bias(blk: MaskBias, keep: jax.Array) -> jax.Array:
-    """The mask's bias: 0 where ``keep``, the fill elsewhere."""
+    """The mask's bias: 0 where ``keep``, the fill elsewhere (a computed mask's as a
+    product, so that the gradient reaches it: the fill times the cotangent)."""
     if blk.fill == "full":
         return (1.0 - keep) * jnp.full(keep.shape, -1e9)
     fill = {"finfo": FMIN, "neg1e9": -1e9, "neg1e10": -1e10}[blk.fill]
+    if blk.mask == "computed":
+        return (1.0 - keep) * fill
     return jnp.where(keep > 0, 0.0, fill)
 
 
@@ -294,8 +298,8 @@ def _mask_bias(i: int, blk: MaskBias, h: jax.Array, p: dict[str, Any]) -> tuple[
         keep = p["m"]
     elif blk.mask == "int":
         keep = (jnp.asarray(attention_mask(0)) > 0).astype(jnp.int32)
-    else:  # a mask a half matmul computes: the gradient through its bias is ~1e9
-        keep = jax.nn.sigmoid(4.0 * (h @ p["w"][2]) @ h.T)
+    else:  # a mask a half matmul computes (0 or 1, exactly): its gradient is ~1e9
+        keep = p["m"] @ p["e"]
 
     def bias(keep, rel):
         dist = jnp.arange(B)[None, :] - jnp.arange(B)[:, None]
@@ -548,7 +552,7 @@ def transformed(
         return version(forward(program))
     if t.startswith("grad"):
         vg = lambda f: jax.value_and_grad(f, has_aux=True)  # noqa: E731
-        trainable = ("w", "b", "g", "s", "kernel", "rel")
+        trainable = ("w", "b", "g", "s", "kernel", "rel", "e")
 
         def split(f):
             def g(train, rest):
@@ -576,7 +580,7 @@ def transformed(
             return outputs(vg(version(loss)))
         return outputs(version(vg(loss)))
     axes = {"x": 0, "w": None, "b": None, "g": None, "s": None, "kernel": None, "m": None}
-    axes["rel"] = None
+    axes["rel"] = axes["e"] = None
     fwd = forward(program)
     if t == "vmap_outer":
         return jax.vmap(version(fwd), in_axes=(axes,))

@@ -293,6 +293,22 @@ def test_the_gradient_through_a_mask_bias_overflows(order):
     assert np.isinf(np.asarray(got)).all()
 
 
+@ORDERS
+def test_the_gradient_through_a_clamped_fill_is_the_fills(order):
+    """``d((1 - m) * -1e9)/dm`` is ``1e9`` times the cotangent, whatever half holds for the
+    fill: with a cotangent of ``2**-20`` it is ~954 (float16 holds it), not the ``65504``
+    of the clamped literal (times ``2**-20``: 0.06)."""
+    w, x = jnp.eye(4) * 0.5, jnp.full((4, 4), 2.0)
+    loss = lambda w, x: jnp.sum((1.0 - x @ w) * -1e9 * 2.0**-20)  # noqa: E731
+    ref = jax.grad(loss)(w, x)
+    if order == "grad_of_rewrite":
+        got = jax.grad(jr.rewrite(loss, dtype=F16))(w, x)
+    else:
+        got = jr.rewrite(jax.grad(loss), dtype=F16)(w, x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, ref, rtol=1e-2)
+
+
 def test_an_overflowing_gradient_through_a_mask_bias_skips_the_step():
     """The same gradient under the loss-scale optimizer: the step is skipped."""
     w, x = jnp.eye(4) * 0.1, jnp.full((4, 4), 2.0)

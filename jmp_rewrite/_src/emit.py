@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import custom_rules, shapes
+from jmp_rewrite._src import custom_rules
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.clamping import _fits, clamp, literal
@@ -40,6 +40,12 @@ from jmp_rewrite._src.masking import Flags
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
+from jmp_rewrite._src.tangents import (
+    Unsaturated,
+    float32_tangents,
+    reads_magnitude,
+    transpose_accumulates,
+)
 
 _SCATTER_FUNS = {
     "scatter-add": lax.scatter_add,
@@ -190,6 +196,8 @@ class Emitter:
         self.where = ""
         #: which elements of big values a constant put out of range (see ``masking``).
         self.flags = Flags(self.half)
+        #: the float32 values of operands half saturated, for derivatives (``tangents``).
+        self.unsaturated = Unsaturated(self.half)
 
     # -- dtype decisions -----------------------------------------------------------------
 
@@ -334,6 +342,18 @@ class Emitter:
             return True
         return bool(rec.operand_nodes) and rec.operand_nodes[i] in self.painting.big
 
+    def _saturated(self, eqn: Any, rec: EqnRec, read: Any, invals: list[Any]) -> Any:
+        """Per operand of a half equation, its float32 value where its way into half
+        saturated it (a literal clamped, a big value pinned: ``tangents.Unsaturated``), else
+        None; None when there is none."""
+        out = []
+        for i, (a, v) in enumerate(zip(eqn.invars, invals, strict=True)):
+            raw = read(a)  # as the program holds it
+            saturating = self._big(rec, i) or (jc.is_literal(a) and _clamped(rec, i))
+            narrowed = jnp.result_type(raw) != jnp.result_type(v)
+            out.append(self.unsaturated.value(a, raw, saturating, narrowed))
+        return out if any(o is not None for o in out) else None
+
     def _in_range(self, val: Any, dtype: Any, const: bool, big: bool) -> Any:
         """``val`` ready for its cast to ``dtype``: a frozen value (a constant, a mask) is
         clamped to its range, a big one saturated where a constant put it out of range
@@ -419,11 +439,17 @@ class Emitter:
             # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
             # float32 whose consumers are all half casts to half instead.
             params = dict(eqn.params)
-            operand = read(eqn.invars[0])
-            if half:
-                params["new_dtype"] = self.half
-                operand = self._in_range(operand, self.half, _clamped(rec, 0), self._big(rec, 0))
-            return bind(eqn, [operand], params)
+            operand = raw = read(eqn.invars[0])
+            if not half:
+                return bind(eqn, [operand], params)
+            params["new_dtype"] = self.half
+            clamped, big = _clamped(rec, 0), self._big(rec, 0)
+            operand = self._in_range(operand, self.half, clamped, big)
+            outs = bind(eqn, [operand], params)
+            narrowed = is_float(jnp.result_type(raw)) and not _fits(jnp.result_type(raw), self.half)
+            true = self.unsaturated.value(eqn.invars[0], raw, clamped or big, narrowed)
+            self.unsaturated.hand_on(eqn, outs[0], [operand], true)
+            return outs
         if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
@@ -438,14 +464,18 @@ class Emitter:
             for key in _DTYPE_PARAMS:
                 if key in params and params[key] is not None and is_f32(params[key]):
                     params[key] = self.half
+            saturated = self._saturated(eqn, rec, read, invals)
+            const = [_const(rec, i) for i in range(len(eqn.invars))]
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
                 outs = [self._scatter(eqn, invals)]
-            elif _transpose_accumulates(eqn, rec):
-                outs = _float32_tangents(eqn, invals, params)
+            elif saturated and reads_magnitude(eqn) or transpose_accumulates(eqn, const):
+                outs = float32_tangents(eqn, invals, params, saturated)
         outs = bind(eqn, invals, params) if outs is None else outs
         if node in self.painting.big and len(outs) == 1 and is_float(jnp.result_type(outs[0])):
             big = [self._big(rec, i) for i in range(len(eqn.invars))]
-            return [self.flags.pinned(eqn, invals, big, outs[0])]  # see ``masking``
+            outs = [self.flags.pinned(eqn, invals, big, outs[0])]  # see ``masking``
+        if half and saturated:
+            self.unsaturated.hand_on(eqn, outs[0], invals, saturated[0])
         return outs
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
@@ -496,51 +526,6 @@ class Emitter:
         """Re-wraps a custom derivative so its rule runs as written (see
         :func:`~jmp_rewrite._src.custom_rules.rewrap`)."""
         return custom_rules.rewrap(self, eqn, rec, invals)
-
-
-#: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
-#: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's
-#: whose operand broadcasts implicitly (a size-1 dimension: ``x @ w + b`` adds a ``[1, n]``
-#: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
-#: them in half precision.
-TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
-
-
-def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
-    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES:
-        return False
-    if eqn.primitive.name == "gather":
-        return not _const(rec, 0)
-    out = eqn.outvars[0].aval.shape
-    return any(
-        is_float(a.aval.dtype) and not _const(rec, i) and shapes.size_less(a.aval.shape, out)
-        for i, a in enumerate(eqn.invars)
-    )
-
-
-def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
-    """Binds a half-precision equation whose derivative runs in float32: the primal is
-    computed in half, tangents (and so, transposed, the cotangents that accumulate) in
-    float32, cast to half at the end. Forward and reverse mode both work. Every operand is
-    an argument (indices too: a closure over tracers would leak them into the jaxpr)."""
-
-    def call(*args: Any) -> Any:
-        return bind(eqn, list(args), params)[0]
-
-    fun = jax.custom_jvp(call)
-
-    @fun.defjvp
-    def fun_jvp(primals, tangents):
-        out = fun(*primals)
-        up = [cast(v, np.float32) for v in primals]
-        t_up = [
-            cast(t, np.float32) if is_float(jnp.result_type(p)) else t
-            for p, t in zip(primals, tangents, strict=True)
-        ]
-        _, t_out = jax.jvp(call, up, t_up)
-        return out, cast(t_out, jnp.result_type(out))
-
-    return [fun(*invals)]
 
 
 def _const(rec: EqnRec, i: int) -> bool:

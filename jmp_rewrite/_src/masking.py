@@ -42,13 +42,21 @@ _SCALINGS = frozenset({"mul", "div", "neg", "convert_element_type"})
 _SCALINGS |= {"reduce_precision", "abs", "floor", "ceil", "round"}
 _SCALINGS |= {"integer_pow", "square", "reduce_sum", "cumsum"}
 #: Data movement of the first operand (the others are indices or shapes): the flag moves so.
-_MOVES_FIRST = frozenset(
+MOVES_FIRST = frozenset(
     {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "rev", "slice"}
     | {"dynamic_slice", "gather", "stop_gradient", "copy", "copy_p"}
 )
 #: Results whose flagged elements can differ from the half type's largest finite value:
 #: only these are pinned (a choice, a move or a maximum hands on pinned elements as they are).
 _PINNED = _SUMS | _SCALINGS
+#: Equations whose derivative reads no operand's magnitude (sums, choices, moves): a
+#: saturated operand changes only their value. Every other half equation reading a
+#: saturated operand takes its derivative from the operand's float32 value
+#: (``tangents.float32_tangents``): ``d(m * -1e9)/dm`` is ``-1e9``, not the ``-65504`` that
+#: half holds, and overflows honestly, for loss scaling to see.
+SCALE_FREE_TANGENTS = _SUMS | MOVES_FIRST | {"select_n", "max", "min", "concatenate", "pad"}
+SCALE_FREE_TANGENTS |= {"convert_element_type", "reduce_precision", "reduce_sum", "cumsum"}
+SCALE_FREE_TANGENTS |= {"reduce_max", "reduce_min", "dynamic_update_slice"}
 
 
 class Flags:
@@ -126,7 +134,7 @@ class Flags:
             if name == "select_n":
                 cases = [jnp.broadcast_to(zero_if_none(f), shape) for f in flags[1:]]
                 return lax.select_n(invals[0], *cases)
-            if name in _MOVES_FIRST and flags[0] is not None:
+            if name in MOVES_FIRST and flags[0] is not None:
                 return bind(eqn, [flags[0], *invals[1:]], eqn.params)[0]
             if name in ("reduce_max", "reduce_min") and flags[0] is not None:
                 axes = tuple(eqn.params["axes"])
