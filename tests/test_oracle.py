@@ -75,7 +75,9 @@ from hypothesis import strategies as st
 from program_gen import (
     Attention,
     Copy,
+    Dense,
     MaskBias,
+    Norm,
     Overflow,
     Program,
     State,
@@ -84,6 +86,7 @@ from program_gen import (
 )
 
 import jmp_rewrite
+from jmp_rewrite._src import _jax_compat as jc
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 
@@ -236,7 +239,22 @@ def check(program: Program, dtype: Any) -> None:
 #: fail the generated-program test; each entry needs a shrunk counterexample below marked
 #: ``xfail(strict=True)``. Delete the entry and the mark when the fix merges. Round 4's five
 #: (issue 21 items 1, 2, 3 and 8, and the leading-axes state of issue 22) are fixed.
-KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {}
+KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
+    # found by the generator on the masks branch (its draws changed), not understood yet:
+    # JAX 0.10 only (open jaxpr bodies): a checkpoint body around a custom_vjp attention
+    # with a captured finfo(float32).min mask: the big value's flags (``masking.Flags``),
+    # computed outside the body, are captured by it as array constants (main: passes)
+    "masks-flags-captured-by-open-body": lambda program, name, problem: (
+        "created array constants" in problem
+    ),
+    # grad_inner through a cond copy of the scale ``s`` and an RMS norm in a custom_vjp: the
+    # gradients of b and w0 0.0045 off float64 where the reference is 0.0007 (main too)
+    "grad-inner-cond-copy": lambda program, name, problem: (
+        program.transform == "grad_inner"
+        and any(isinstance(b, Copy) and b.route == "cond_ones" for b in program.blocks)
+        and "off float64" in problem
+    ),
+}
 
 
 def unexplained(program: Program, problems: dict[str, str]) -> dict[str, str]:
@@ -312,6 +330,47 @@ COUNTEREXAMPLES = [
         Program((MaskBias("none", "neg1e9", mask="computed"),), transform="grad_outer"),
         F16,
         id="overflow-mask-gradient-f16",
+    ),
+    pytest.param(
+        Program(
+            (
+                Dense("matmul", "linear"),
+                Norm("layer", wrappers=("checkpoint",)),
+                Attention(
+                    "finfo_mul",
+                    before_scale=True,
+                    mask_input=False,
+                    k=2,
+                    wrappers=("checkpoint", "custom_vjp"),
+                ),
+                Dense("matmul", "tanh"),
+                Dense("einsum", "relu", residual=True, k=1, wrappers=("jit",)),
+            ),
+            transform="grad_inner",
+            seed=96,
+        ),
+        BF16,
+        id="masks-flags-captured-by-open-body-bf16",
+        marks=pytest.mark.xfail(
+            not jc.MERGED_JAXPR_TYPES,
+            strict=True,
+            reason="KNOWN_BUGS['masks-flags-captured-by-open-body'] (JAX < 0.11)",
+        ),
+    ),
+    pytest.param(
+        Program(
+            (
+                Dense("matmul", "tanh"),
+                Copy("s", "cond_ones", k=2, wrappers=("checkpoint", "checkpoint")),
+                Dense("matmul", "tanh"),
+                Dense("matmul", "tanh", residual=True, k=2),
+                Norm("rms", wrappers=("custom_vjp",)),
+            ),
+            transform="grad_inner",
+        ),
+        F16,
+        id="grad-inner-cond-copy-f16",
+        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['grad-inner-cond-copy']"),
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),
