@@ -10,6 +10,15 @@ dataclass (so a counterexample prints as the Python literal that rebuilds it):
   or a captured constant, in every spelling of the idiom: ``(1 - m) * finfo(float32).min``,
   ``* -1e9``, ``* -3.4e38``, ``where(m, s, full(finfo.min))``, ``where(m, s, -1e9)``, the bias
   added before or after the scaling;
+* :class:`MaskBias` -- ``softmax(q k^T + pos + fill bias) v``: a computed bias (T5's
+  learned relative positions, ALiBi's slopes, none) plus a mask fill beyond the half range
+  (``finfo(float32).min``, ``-1e9``, ``-1e10``, a ``jnp.full`` array), the bias built
+  across a boundary (``cond``, ``scan``, ``while_loop``, ``jit``, ``checkpoint``,
+  ``custom_vjp``), its mask an input, an integer mask or one a half matmul computes
+  (``m @ e``: the gradient through the bias is ~1e9, and overflows float16);
+* :class:`Overflow` -- values beyond the half range from computation, read by a matmul:
+  ``exp(c x)``, ``exp(c x) / 0.5``, ``exp(c x)`` plus a mask bias; they overflow honestly in
+  half (the oracle: where the reference overflows, the rewrite must too);
 * :class:`Copy` -- an input (or a view of it, or ``exp`` of it: a float32 value in both lists)
   handed to an output through nothing, ``jit``, ``checkpoint``, a ``cond`` whose other branch
   is a constant, a zero-trip ``scan`` or a loop that carries it unchanged, beside a matmul
@@ -109,6 +118,23 @@ class Attention:
 
 
 @dataclasses.dataclass(frozen=True)
+class MaskBias:
+    pos: str = "relative"  # see POSITION_BIASES
+    fill: str = "finfo"  # see FILLS
+    route: str = "plain"  # see BIAS_ROUTES
+    mask: str = "input"  # input | int | computed
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    kind: str = "exp"  # see OVERFLOWS
+    k: int = 0
+    wrappers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Copy:
     src: str = "x"  # x | x_T | w | s | exp_x
     route: str = "plain"  # see COPY_ROUTES
@@ -192,6 +218,12 @@ PRECISIONS += ("bf16_algorithm", "bf16x3_algorithm")
 
 
 MASK_SPELLINGS = ("finfo_mul", "neg1e9_mul", "neg3e38_mul", "full_where", "where_neg1e9")
+POSITION_BIASES = ("none", "relative", "alibi")
+# (``finfo(float16).min`` is pinned in float16, where float32 keeps ``s - 65504`` distinct
+# per score: the oracle's reference cannot judge it; ``tests/test_mask_values.py`` does)
+FILLS = ("finfo", "neg1e9", "neg1e10", "full")
+BIAS_ROUTES = ("plain", "cond", "scan", "while_loop", "jit", "checkpoint", "custom_vjp")
+OVERFLOWS = ("exp", "exp_div", "exp_plus_bias")
 COPY_ROUTES = ("plain", "jit", "checkpoint", "cond_ones", "cond_const", "scan0", "fori_carried")
 UPDATES = ("sgd", "ema", "adam", "ode_div", "rk4", "clip", "project", "scatter", "ravel")
 UPDATES += ("top_k", "sort", "max", "take_max")  # through a selection (issue 28.3)
@@ -232,6 +264,8 @@ class Program:
             "s": [f32(rng.uniform(0.5, 1.5, (D,))) for _ in range(4)],  # states (a pytree)
             "kernel": f32(rng.standard_normal((3, D, D)) / np.sqrt(3 * D)),
             "m": f32(attention_mask(self.seed)),
+            "rel": f32(0.5 * rng.standard_normal((2 * B - 1,))),  # relative-position bias
+            "e": f32(np.eye(B)),  # a computed mask's weight: ``m @ e`` is the mask, 0 or 1
         }
 
     def exact(self) -> frozenset[str]:
@@ -328,6 +362,68 @@ def _attention(i: int, blk: Attention, h: jax.Array, p: dict[str, Any]) -> tuple
         s = s * scale
     probs = jax.nn.softmax(s, axis=-1)
     return probs @ h, ({f"probs{i}": probs} if blk.export_probs else {})
+
+
+def _fill_bias(blk: MaskBias, keep: jax.Array) -> jax.Array:
+    """The mask's bias: 0 where ``keep``, the fill elsewhere (a computed mask's as a
+    product, so that the gradient reaches it: the fill times the cotangent)."""
+    if blk.fill == "full":
+        return (1.0 - keep) * jnp.full(keep.shape, -1e9)
+    fill = {"finfo": FMIN, "neg1e9": -1e9, "neg1e10": -1e10}[blk.fill]
+    if blk.mask == "computed":
+        return (1.0 - keep) * fill
+    return jnp.where(keep > 0, 0.0, fill)
+
+
+def _route(route: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called across ``route``."""
+    if route == "plain":
+        return fn
+    if route in ("jit", "checkpoint"):
+        return jax.jit(fn) if route == "jit" else jax.checkpoint(fn)
+    if route == "cond":
+        return lambda *a: lax.cond(jnp.sum(a[0]) >= 0, fn, lambda *b: fn(*b) * 1.0, *a)
+    if route == "scan":
+        return lambda *a: lax.scan(lambda c, _: (c, fn(*a)), 0.0, None, length=2)[1][-1]
+    if route == "while_loop":
+        return lambda *a: lax.while_loop(
+            lambda c: c[0] < 2, lambda c: (c[0] + 1, fn(*a)), (0, fn(*a))
+        )[1]
+    assert route == "custom_vjp", route
+    return _custom_vjp(fn)
+
+
+def _mask_bias(i: int, blk: MaskBias, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    q, kk = h @ p["w"][blk.k], h @ p["w"][(blk.k + 1) % 3]
+    s = q @ kk.T
+    if blk.mask == "input":
+        keep = p["m"]
+    elif blk.mask == "int":
+        keep = (jnp.asarray(attention_mask(0)) > 0).astype(jnp.int32)
+    else:  # a mask a half matmul computes (0 or 1, exactly): its gradient is ~1e9
+        keep = p["m"] @ p["e"]
+
+    def bias(keep, rel):
+        dist = jnp.arange(B)[None, :] - jnp.arange(B)[:, None]
+        if blk.pos == "relative":
+            pos = rel[dist + B - 1]
+        elif blk.pos == "alibi":
+            pos = -0.5 * jnp.abs(dist).astype(s.dtype)
+        else:
+            pos = 0.0
+        return pos + _fill_bias(blk, keep)
+
+    probs = jax.nn.softmax(s + _route(blk.route, bias)(keep, p["rel"]), axis=-1)
+    return probs @ h, {f"probs{i}": probs}
+
+
+def _overflow(i: int, blk: Overflow, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
+    big = jnp.exp(4.0 * p["x"])  # beyond float16 where x > 2.8; float32 holds it
+    if blk.kind == "exp_div":
+        big = big / 0.5
+    elif blk.kind == "exp_plus_bias":
+        big = big + (1.0 - p["m"][:, : big.shape[-1] // 2].repeat(2, axis=-1)) * -1e9
+    return h, {f"over{i}": big @ p["w"][blk.k]}
 
 
 def _copy(i: int, blk: Copy, h: jax.Array, p: dict[str, Any]) -> tuple[jax.Array, dict]:
@@ -736,7 +832,8 @@ def block_fn(i: int, blk: Any) -> Callable[[jax.Array, dict[str, Any]], Any]:
         fn = lambda h, p: kinds[type(blk)](blk, h, p)  # noqa: E731
     else:
         indexed = {Attention: _attention, Copy: _copy, State: _state, Loop: _loop}.get(type(blk))
-        indexed = indexed or {Recurrence: _recurrence}.get(type(blk))
+        indexed = indexed or {Recurrence: _recurrence, MaskBias: _mask_bias}.get(type(blk))
+        indexed = indexed or {Overflow: _overflow}.get(type(blk))
         indexed = indexed or (lambda i, blk, h, p: _precise(blk, h, p))
         fn = lambda h, p: indexed(i, blk, h, p)  # noqa: E731
     for wrapper in blk.wrappers:
@@ -785,7 +882,7 @@ def transformed(
         return version(forward(program))
     if t.startswith("grad"):
         vg = lambda f: jax.value_and_grad(f, has_aux=True)  # noqa: E731
-        trainable = ("w", "b", "g", "s", "kernel")
+        trainable = ("w", "b", "g", "s", "kernel", "rel", "e")
 
         def split(f):
             def g(train, rest):
@@ -813,6 +910,7 @@ def transformed(
             return outputs(vg(version(loss)))
         return outputs(version(vg(loss)))
     axes = {"x": 0, "w": None, "b": None, "g": None, "s": None, "kernel": None, "m": None}
+    axes["rel"] = axes["e"] = None
     fwd = forward(program)
     if t == "vmap_outer":
         return jax.vmap(version(fwd), in_axes=(axes,))
@@ -878,11 +976,9 @@ WIDER = {"loop": loop_blocks, "precise": precise_blocks}
 
 @st.composite
 def any_block(draw: Any, transform: str = "none") -> Any:
-    kind = draw(
-        st.sampled_from(
-            ["state", "attention", "copy", "dense", "norm", "complex", "recurrence", *WIDER]
-        )
-    )
+    kinds = ["state", "attention", "copy", "dense", "norm", "complex", "recurrence"]
+    kinds += ["mask_bias", "overflow", *WIDER]
+    kind = draw(st.sampled_from(kinds))
     if kind == "state":
         return draw(state_blocks(transform))
     if kind == "loop" and transform.startswith("grad"):
@@ -903,6 +999,17 @@ def any_block(draw: Any, transform: str = "none") -> Any:
             k=k,
             wrappers=_wrappers(draw),
         )
+    if kind == "mask_bias":
+        return MaskBias(
+            pos=draw(st.sampled_from(POSITION_BIASES)),
+            fill=draw(st.sampled_from(FILLS)),
+            route=draw(st.sampled_from(BIAS_ROUTES)),
+            mask=draw(st.sampled_from(["input", "int", "computed"])),
+            k=k,
+            wrappers=_wrappers(draw),
+        )
+    if kind == "overflow":
+        return Overflow(kind=draw(st.sampled_from(OVERFLOWS)), k=k, wrappers=_wrappers(draw))
     if kind == "attention":
         return Attention(
             spelling=draw(st.sampled_from(MASK_SPELLINGS)),

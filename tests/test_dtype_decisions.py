@@ -198,9 +198,13 @@ def test_mask_constants_are_clamped_to_the_half_range(dtype, jit, masking):
     masking_ops = [
         e
         for e in [*prims(jaxpr, "select_n"), *prims(jaxpr, "add")]
-        if e.outvars[0].aval.shape == MASK.shape
+        if e.outvars[0].aval.shape == MASK.shape and float_in_dtypes(e)
     ]
-    assert masking_ops and all(runs_in_half(e) for e in masking_ops)  # the mask did go half
+    # the mask did go half; in float32 only a float32 constant beyond the range pinned
+    # before its cast (its flags, the pin: ``masking``)
+    in_float32 = [e for e in masking_ops if not runs_in_half(e)]
+    assert any(runs_in_half(e) for e in masking_ops)
+    assert len(in_float32) <= 2 * (masking == "additive captured bias"), in_float32
 
 
 CAPTURED_NINF = jnp.full((4,), -np.inf, jnp.float32)

@@ -23,9 +23,12 @@ No expectation is written by hand. Per output, the oracle asserts:
    ``exp`` of one, through calls, a ``cond``, a zero-trip loop, a carry passed on unchanged,
    a state whose loop ran zero times or whose ``cond`` did not update it) is bit-exact, in
    the rewrite and in the reference;
-4. the rewrite creates no inf/NaN: every element finite in float32 *and* in the reference
-   is finite in the rewrite (a value that overflows half in the reference, as by hand, may
-   overflow in the rewrite too);
+4. overflow in both directions: the rewrite creates no inf/NaN (every element finite in
+   float32 *and* in the reference is finite in the rewrite), and hides none (an element
+   finite in float32 that the reference overflows, to infinity or to NaN (``0 * inf`` in a
+   matmul), is not finite in the rewrite either: the reference saturates only what a
+   constant put out of range, as the rewrite does, so its infinities are computed values
+   overflowing honestly, ``exp(x) / 0.5``, a gradient through a mask bias);
 5. its error is bounded by the reference's: with ``e = ||y - y64|| / ||y64||`` over the
    elements finite in float64, float32 and the reference, medians over the draws,
    ``e_rewrite <= FACTOR * e_reference + SLACK * u`` (``u``: the half type's unit roundoff,
@@ -76,7 +79,9 @@ from program_gen import (
     Dense,
     Kernel,
     Loop,
+    MaskBias,
     Norm,
+    Overflow,
     Program,
     Recurrence,
     State,
@@ -193,6 +198,16 @@ def judge(program: Program, dtype: Any, out: dict[str, list[dict]]) -> Verdict:
                     f"finite in float32 and in the reference (draw {d})"
                 )
                 break
+            # the other direction: the reference overflows a computed value honestly (a
+            # constant's values are saturated in both), so the rewrite must not saturate it
+            # (an overflow a matmul then multiplies by 0 is NaN: ``m^T @ inf``)
+            hidden = np.isfinite(f32) & ~np.isfinite(rf) & np.isfinite(rw)
+            if hidden.any():
+                problems[name] = (
+                    f"{name}: {int(hidden.sum())} of {hidden.size} values finite after the "
+                    f"rewrite where the reference overflows (inf/NaN), float32 finite (draw {d})"
+                )
+                break
             keep = np.isfinite(t) & np.isfinite(f32) & np.isfinite(rf)
             scale = float(np.linalg.norm(t[keep])) or 1.0
             errs.append(
@@ -241,6 +256,25 @@ KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
         and "off float64" in problem
         and program.transform.startswith("vmap")
         and any(isinstance(b, Norm) and b.kind == "batch" for b in program.blocks)
+    ),
+    # found by the generator on the masks branch (its draws changed), not understood yet:
+    # a checkpoint body around a custom_vjp attention with a captured finfo(float32).min
+    # mask raises: JAX 0.10 "created array constants" (open jaxpr body), JAX 0.12 an
+    # AssertionError in bind; likely the big value's flags (``masking.Flags``), computed
+    # lazily outside the body, captured by it (main: passes)
+    "masks-flags-captured-by-open-body": lambda program, name, problem: (
+        name == "exception"
+        and any(
+            isinstance(b, Attention) and not b.mask_input and "checkpoint" in b.wrappers
+            for b in program.blocks
+        )
+    ),
+    # grad_inner through a cond copy of the scale ``s`` and an RMS norm in a custom_vjp: the
+    # gradients of b and w0 0.0045 off float64 where the reference is 0.0007 (main too)
+    "grad-inner-cond-copy": lambda program, name, problem: (
+        program.transform == "grad_inner"
+        and any(isinstance(b, Copy) and b.route == "cond_ones" for b in program.blocks)
+        and "off float64" in problem
     ),
 }
 
@@ -330,6 +364,65 @@ COUNTEREXAMPLES = [
         Program((Attention("neg3e38_mul", before_scale=True),)),
         BF16,
         id="item1-3e38-before-scale-bf16",
+    ),
+    # issue 28 item 2 (a-d), found by the generator on the code before the fix: a
+    # relative-position bias plus the fill (a), a float mask argument (b), a bias through a
+    # cond (c), a jnp.full fill (d): NaN rows
+    pytest.param(Program((MaskBias("relative", "finfo", mask="int"),)), F16, id="masks-a-f16"),
+    pytest.param(Program((MaskBias("relative", "finfo", mask="int"),)), BF16, id="masks-a-bf16"),
+    pytest.param(Program((MaskBias("none", "neg1e9", mask="input"),)), F16, id="masks-b-f16"),
+    pytest.param(
+        Program((MaskBias("none", "finfo", "cond", mask="int"),)), BF16, id="masks-c-bf16"
+    ),
+    pytest.param(Program((MaskBias("alibi", "full", mask="input"),)), F16, id="masks-d-f16"),
+    # issue 29 family 6: computed values beyond the range overflow in the rewrite too
+    pytest.param(Program((Overflow("exp_div"),)), F16, id="overflow-div-f16"),
+    pytest.param(Program((Overflow("exp_plus_bias"),)), F16, id="overflow-bias-f16"),
+    # grad(rewrite(f)) through (1 - m) * -1e9, m a half matmul: the derivative was the
+    # clamped -65504, finite and wrong; it is -1e9 times the cotangent, and overflows
+    pytest.param(
+        Program((MaskBias("none", "neg1e9", mask="computed"),), transform="grad_outer"),
+        F16,
+        id="overflow-mask-gradient-f16",
+    ),
+    pytest.param(
+        Program(
+            (
+                Dense("matmul", "linear"),
+                Norm("layer", wrappers=("checkpoint",)),
+                Attention(
+                    "finfo_mul",
+                    before_scale=True,
+                    mask_input=False,
+                    k=2,
+                    wrappers=("checkpoint", "custom_vjp"),
+                ),
+                Dense("matmul", "tanh"),
+                Dense("einsum", "relu", residual=True, k=1, wrappers=("jit",)),
+            ),
+            transform="grad_inner",
+            seed=96,
+        ),
+        BF16,
+        id="masks-flags-captured-by-open-body-bf16",
+        marks=pytest.mark.xfail(
+            strict=True, reason="KNOWN_BUGS['masks-flags-captured-by-open-body']"
+        ),
+    ),
+    pytest.param(
+        Program(
+            (
+                Dense("matmul", "tanh"),
+                Copy("s", "cond_ones", k=2, wrappers=("checkpoint", "checkpoint")),
+                Dense("matmul", "tanh"),
+                Dense("matmul", "tanh", residual=True, k=2),
+                Norm("rms", wrappers=("custom_vjp",)),
+            ),
+            transform="grad_inner",
+        ),
+        F16,
+        id="grad-inner-cond-copy-f16",
+        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['grad-inner-cond-copy']"),
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),

@@ -76,6 +76,7 @@ R29_EXPLAIN = (
 )
 R29_COMPARE = ("tests/test_compare_oracle.py", "tests/test_compare.py")
 T_REC = "tests/test_recurrences.py::"
+T_MASKS = "tests/test_mask_values.py::"
 
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
@@ -309,23 +310,25 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.captured_constants_not_clamped",
         "emit.py",
-        "convert_element_type(clamp(val, dtype) if const else val, dtype)",
-        "convert_element_type(val, dtype)",
+        "convert_element_type(self._in_range(val, dtype, const, big), dtype)",
+        "convert_element_type(self._in_range(val, dtype, False, big), dtype)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
         "[17.4] captured array constants overflow to -inf (a fully masked row is NaN)",
     ),
     _m(
         "emit.constant_casts_not_clamped",
         "emit.py",
-        "                if _clamped(rec, 0):\n                    operand = clamp(operand, self.half)",
-        "                if False:\n                    operand = clamp(operand, self.half)",
+        "clamped, big = _clamped(rec, 0), self._big(rec, 0)",
+        "clamped, big = False, self._big(rec, 0)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
         "[17.4] a retargeted cast of a constant overflows",
+        survives="equivalent since big values (issue 28 item 2): a constant beyond the half "
+        "range is big, and a big operand's cast saturates it (``_in_range``) all the same",
     ),
     _m(
         "emit.literals_not_clamped",
         "clamping.py",
-        "    return np.asarray(clamp(np.asarray(value), dtype), dtype=dtype)",
+        "    return np.asarray(clamp(value, dtype) if clamped else value, dtype=dtype)",
         "    return np.asarray(value, dtype=dtype)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
         "[17.4] Python-number constants overflow to -inf",
@@ -367,7 +370,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents",
-        "emit.py",
+        "tangents.py",
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")',
         "TRANSPOSE_ACCUMULATES = ()",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -375,7 +378,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents_for_implicit_broadcast",
-        "emit.py",
+        "tangents.py",
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")',
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim")',
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -383,8 +386,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents_for_gather",
-        "emit.py",
-        "        return not _const(rec, 0)\n    out = eqn.outvars[0].aval.shape",
+        "tangents.py",
+        "        return not const[0]\n    out = eqn.outvars[0].aval.shape",
         "        return False\n    out = eqn.outvars[0].aval.shape",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
         "[17.5] grad(rewrite(f)) accumulates an embedding gradient in half",
@@ -416,8 +419,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.outputs_not_cast_back",
         "emit.py",
-        "        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]",
-        "        return [read(a) for a in jaxpr.outvars]",
+        "            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)",
+        "            for a, d in zip(jaxpr.outvars, [None] * len(out_dtypes), strict=True)",
         T_REWRITE + "test_matches_float32_and_keeps_signature",
         "rewritten outputs come back in half precision",
     ),
@@ -907,10 +910,10 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "graph.only_constants_clamped",
         "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.const or o.sentinel for o in in_origins)",
-        T_R4 + "test_padded_rows_are_uniform_as_in_float32",
-        "[21.1] a padding bias built from an int mask overflows to -inf: padded rows are NaN",
+        "            erec.clamped_operands = tuple(forward and o.frozen for o in in_origins)",
+        "            erec.clamped_operands = tuple(forward and o.const for o in in_origins)",
+        T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
+        "[21.1] a padding value cast from an int array overflows to -inf: masked rows NaN",
     ),
     _m(
         "graph.integers_not_frozen",
@@ -955,9 +958,9 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch symbolic (issue 24): shape decisions safe with symbolic dimensions ----------
     _m(
         "emit.broadcast_size_compared_raw",
-        "emit.py",
-        "and not _const(rec, i) and shapes.size_less(a.aval.shape, out)",
-        "and not _const(rec, i) and a.aval.size < eqn.outvars[0].aval.size",
+        "tangents.py",
+        "and not const[i] and shapes.size_less(a.aval.shape, out)",
+        "and not const[i] and a.aval.size < eqn.outvars[0].aval.size",
         T_SYM + "test_symbolic_shapes_paint_as_concrete_ones",
         "x @ w + b at a symbolic batch raises InconclusiveDimensionOperation (the issue)",
     ),
@@ -1050,7 +1053,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.same_shape_products_float32_tangents",
-        "emit.py",
+        "tangents.py",
         "shapes.size_less(a.aval.shape, out)\n",
         "not shapes.size_less(out, a.aval.shape)\n",
         T_PINS + "test_float32_tangents_only_for_a_half_product_that_broadcasts",
@@ -1203,28 +1206,72 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # -- masks-float (issue 21 item 1: a float mask argument's padding bias) --
     _m(
-        "graph.sentinel_not_clamped",
-        "graph.py",
-        "            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)",
-        "            erec.clamped_operands = tuple(o.frozen for o in in_origins)",
-        T_R4 + "test_a_float_mask_argument_pads_as_in_float32",
-        "[21.1] a float mask argument's bias (1 - m) * finfo.min is -inf in half: NaN rows",
-    ),
-    _m(
-        "origins.sentinel_any_constant",
-        "origins.py",
-        '        return any(limit < b < float("inf") for b in big)',
-        '        return any(0.0 < b < float("inf") for b in big)',
-        T_R4 + "test_a_product_by_a_constant_within_range_still_overflows",
-        "[21.1] a product by a constant within the half range is clamped: an overflow hidden",
-    ),
-    _m(
         "emit.saturate_zero_derivative",
         "clamping.py",
-        "(_saturate(primals[0], lo, hi), tangents[0]))",
-        "(_saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
+        "(saturate(primals[0], lo, hi), tangents[0]))",
+        "(saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",
-        "[21.1] the gradient to a float mask through its clamped sentinel bias is zero",
+        "[21.1] the gradient to a float mask through its clamped bias is zero",
+    ),
+    # -- masks (issue 28 item 2, issue 29 family 6): big values, honest overflow --
+    _m(
+        "origins.big_seed_ignores_literals",
+        "origins.py",
+        "    return any(o.big or (v is not None and beyond(v, limit)) for o, v in floats)",
+        "    return any(o.big for o, v in floats)",
+        T_MASKS + "test_every_spelling",
+        "[28.2] a product by a literal fill is no big value: -inf in half, NaN rows",
+    ),
+    _m(
+        "graph.call_literal_fill_not_big",
+        "graph.py",
+        "                return const_origin(jc.literal_value(atom), self.limit)",
+        "                return const_origin(jc.literal_value(atom), None)",
+        T_MASKS + "test_encoders_end_to_end",
+        "[28.2a] a fill handed to jnp.where's jit is no big value: T5 padded rows NaN",
+    ),
+    _m(
+        "masking.opposite_flags_do_not_cancel",
+        "masking.py",
+        "                    flag = jnp.where(flag == 0, f, jnp.where(f == -flag, 0, flag))",
+        "                    flag = jnp.where(flag == 0, f, flag)",
+        T_MASKS + "test_every_boundary",
+        "[28.2] x - max(x) of a fully masked row stays pinned: exp gives 0/0, NaN rows",
+    ),
+    _m(
+        "masking.product_flag_kept_in_range",
+        "masking.py",
+        "                return jnp.where(any_flag, self.beyond(out), 0).astype(np.int8)",
+        "                return jnp.where(any_flag, -1, 0).astype(np.int8)",
+        T_MASKS + "test_a_computed_value_plus_a_mask_bias",
+        "[29.6] (1 - m) * -1e9 stays flagged where m = 1: exp(x) there saturates, no overflow",
+    ),
+    _m(
+        "emit.boundary_result_not_pinned",
+        "emit.py",
+        "            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))",
+        "            read(a, d)",
+        T_MASKS + "test_every_boundary",
+        "[28.2c] a bias handed out of a cond or loop body in half is -inf: NaN rows",
+    ),
+    _m(
+        "masking.pin_zero_derivative",
+        "masking.py",
+        "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), tangents[0]))",
+        "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), 0 * tangents[0]))",
+        T_R4 + "test_a_float_mask_argument_has_float32_gradients",
+        "[28.2] the gradient to a float mask through its pinned bias is zero",
+    ),
+    _m(
+        "emit.saturated_operand_tangent_in_half",
+        "emit.py",
+        "elif saturated and reads_magnitude(eqn) or transpose_accumulates(eqn, const):",
+        "elif transpose_accumulates(eqn, const):",
+        (
+            T_MASKS + "test_the_gradient_through_a_clamped_fill_is_the_fills",
+            "tests/test_oracle.py::test_counterexample[overflow-mask-gradient-f16]",
+        ),
+        "[29.6] grad(rewrite(f)) through (1 - m) * -1e9: the derivative is the clamped -65504",
     ),
     # ---- branch cond-state (issue 21 item 8): an input handed on by a branch is float32 ----
     _m(
@@ -1243,7 +1290,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "    return False",
         (
             "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
-            "tests/test_oracle.py::test_counterexample",
+            "tests/test_oracle.py::test_counterexample[overflow-mask-gradient-f16]",
         ),
         "a state update batched by vmap or stacked by a scan is rounded to half",
     ),

@@ -1,10 +1,11 @@
 """Half precision's range for values the program did not compute.
 
-A constant, a literal or a sentinel (``jnp.finfo(jnp.float32).min`` as an attention mask, a
-mask bias ``(1.0 - m) * -1e9``: see ``origins.Origin``) is clamped to the half dtype's largest
-finite value when it is cast to half, instead of becoming infinite (an infinite mask turns a
-fully masked softmax row into NaN). Computed values are not clamped: they overflow honestly,
-so that loss scaling sees the overflow.
+A constant, a literal or a frozen value (``jnp.finfo(jnp.float32).min`` as an attention
+mask, a mask bias built from an integer mask: see ``origins.Origin``) is clamped to the half
+dtype's largest finite value when a forward equation casts it to half, instead of becoming
+infinite (an infinite mask turns a fully masked softmax row into NaN); a big value, where the
+constant put it out of range (``masking``). Computed values are not clamped: they overflow
+honestly, so that loss scaling sees the overflow.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def clamp(value: Any, dtype: Any) -> Any:
         if jnp.issubdtype(jnp.result_type(value), jnp.integer):  # clipped as an integer
             d = jnp.result_type(value)
             return lax.clamp(np.asarray(int(lo), d), value, np.asarray(int(hi), d))
-        return _saturate(value, lo, hi)
+        return saturate(value, lo, hi)
     with jax.ensure_compile_time_eval():
         if isinstance(value, jax.Array):
             big = jnp.isfinite(value) & ((value < lo) | (value > hi))
@@ -54,19 +55,21 @@ def clamp(value: Any, dtype: Any) -> Any:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _saturate(value: Any, lo: float, hi: float) -> Any:
+def saturate(value: Any, lo: float, hi: float) -> Any:
     return jnp.where(jnp.isfinite(value), jnp.clip(value, lo, hi), value)
 
 
-# Why: a sentinel (``(1.0 - m) * -1e9``, see ``origins.sentinel_scaled``) may be
-# differentiated (a float mask's gradient); saturating changes where its value is read in
-# half, not its derivative, which stays float32's (a clip's would be zero where it clips).
-_saturate.defjvp(lambda lo, hi, primals, tangents: (_saturate(primals[0], lo, hi), tangents[0]))
+# Why: a big value (``(1.0 - m) * -1e9``, see ``origins.big_seed``) may be differentiated
+# (a float mask's gradient); saturating changes where its value is read in half, not its
+# derivative, which stays float32's (a clip's would be zero where it clips).
+saturate.defjvp(lambda lo, hi, primals, tangents: (saturate(primals[0], lo, hi), tangents[0]))
 
 
-def literal(value: Any, dtype: Any) -> Any:
+def literal(value: Any, dtype: Any, clamped: bool = True) -> Any:
     """A float literal in ``dtype``, converted in place. A finite literal beyond the range of
-    ``dtype`` is clamped to its largest finite value rather than becoming infinite: such
-    constants are sentinels (``jnp.finfo(jnp.float32).min`` as an attention mask), and an
-    infinite mask turns a fully masked softmax row into NaN."""
-    return np.asarray(clamp(np.asarray(value), dtype), dtype=dtype)
+    ``dtype`` read by a forward equation (``clamped``) is clamped to its largest finite value
+    rather than becoming infinite: such constants are mask fills (``jnp.finfo(
+    jnp.float32).min``), and an infinite mask turns a fully masked softmax row into NaN. In a
+    backward equation it is a cotangent's factor, and overflows honestly."""
+    value = np.asarray(value)
+    return np.asarray(clamp(value, dtype) if clamped else value, dtype=dtype)

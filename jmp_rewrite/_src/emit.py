@@ -28,17 +28,24 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import attention_emit, custom_rules, shapes
+from jmp_rewrite._src import attention_emit, custom_rules
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.clamping import clamp, literal
+from jmp_rewrite._src.clamping import _fits, clamp, literal
 from jmp_rewrite._src.custom_rules import cast
 from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float, sealed
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
 from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.masking import Flags
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
+from jmp_rewrite._src.tangents import (
+    Unsaturated,
+    float32_tangents,
+    reads_magnitude,
+    transpose_accumulates,
+)
 
 _SCATTER_FUNS = {
     "scatter-add": lax.scatter_add,
@@ -190,6 +197,10 @@ class Emitter:
         #: fused attentions (``fuse_attention=True``): run at their equations, or None
         chosen = painting.attention
         self.fusion = attention_emit.Fusion(chosen) if chosen is not None and chosen.fused else None
+        #: which elements of big values a constant put out of range (see ``masking``).
+        self.flags = Flags(self.half)
+        #: the float32 values of operands half saturated, for derivatives (``tangents``).
+        self.unsaturated = Unsaturated(self.half)
 
     # -- dtype decisions -----------------------------------------------------------------
 
@@ -229,7 +240,10 @@ class Emitter:
         self.where = f"{scope.path}<outputs>"
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars]
-        return [read(a, d) for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)]
+        return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
+            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))
+            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)
+        ]
 
     def controller(self) -> Staged:
         """The control in force: bodies traced for re-binding are always staged."""
@@ -287,7 +301,7 @@ class Emitter:
         else:
             wanted = [None] * len(eqn.invars)
         return [
-            read(a, d, _clamped(rec, i))
+            read(a, d, _clamped(rec, i), self._big(rec, i))
             for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True))
         ]
 
@@ -305,11 +319,11 @@ class Emitter:
         casts: dict[tuple[int, Any], Any] = {}
         keep: list[Any] = []  # keeps cast sources alive, so ids stay unique
 
-        def read(atom: Any, dtype: Any = None, const: bool = False) -> Any:
+        def read(atom: Any, dtype: Any = None, const: bool = False, big: bool = False) -> Any:
             if jc.is_literal(atom):
                 val = jc.literal_value(atom)
                 if dtype is not None and is_float(dtype) and dtype != atom.aval.dtype:
-                    return literal(val, dtype)
+                    return literal(val, dtype, const or big)
                 return val
             val = env[atom]
             if dtype is None or not is_float(atom.aval.dtype):
@@ -317,27 +331,57 @@ class Emitter:
             dtype = np.dtype(dtype)
             if jnp.result_type(val) == dtype:
                 return val
-            key = (id(val), dtype)
+            key = (id(val), dtype, const, big)
             if key not in casts:
                 keep.append(val)
-                # A constant (a mask value, a captured sentinel) is clamped to the half range
-                # rather than overflowing; computed values overflow honestly.
-                casts[key] = lax.convert_element_type(clamp(val, dtype) if const else val, dtype)
+                casts[key] = lax.convert_element_type(self._in_range(val, dtype, const, big), dtype)
                 self.hooks.cast(self.where, _describe(atom), jnp.result_type(val), dtype)
             return casts[key]
 
         return read
 
+    def _big(self, rec: EqnRec, i: int) -> bool:
+        """Whether operand ``i`` of a forward equation is big (``Origin.big``; the painting's
+        closure through loop carries included)."""
+        if rec.big_operands and rec.big_operands[i]:
+            return True
+        return bool(rec.operand_nodes) and rec.operand_nodes[i] in self.painting.big
+
+    def _saturated(self, eqn: Any, rec: EqnRec, read: Any, invals: list[Any]) -> Any:
+        """Per operand of a half equation, its float32 value where its way into half
+        saturated it (a literal clamped, a big value pinned: ``tangents.Unsaturated``), else
+        None; None when there is none."""
+        out = []
+        for i, (a, v) in enumerate(zip(eqn.invars, invals, strict=True)):
+            raw = read(a)  # as the program holds it
+            saturating = self._big(rec, i) or (jc.is_literal(a) and _clamped(rec, i))
+            narrowed = jnp.result_type(raw) != jnp.result_type(v)
+            out.append(self.unsaturated.value(a, raw, saturating, narrowed))
+        return out if any(o is not None for o in out) else None
+
+    def _in_range(self, val: Any, dtype: Any, const: bool, big: bool) -> Any:
+        """``val`` ready for its cast to ``dtype``: a frozen value (a constant, a mask) is
+        clamped to its range, a big one saturated where a constant put it out of range
+        (``masking``); computed values are left to overflow honestly."""
+        if big and not _fits(jnp.result_type(val), dtype):
+            return self.flags.in_range(val)
+        return clamp(val, dtype) if const else val
+
     # -- staging bodies --------------------------------------------------------------------
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:
-        """While bodies are traced for re-binding (values are tracers, control is staged)."""
+        """While bodies are traced for re-binding (values are tracers, control is staged).
+        A body's trace has flags and float32 values of its own: one computed in the outer
+        trace (or left lazy there) would be captured by the body's jaxpr as a constant."""
         self.depth += 1
+        outer = self.flags, self.unsaturated
+        self.flags, self.unsaturated = Flags(self.half), Unsaturated(self.half)
         try:
             yield
         finally:
             self.depth -= 1
+            self.flags, self.unsaturated = outer
 
     def avals(self, inner: Any, values: Sequence[Any]) -> list[Any]:
         """Abstract values for the invars of ``inner`` taking ``values``: the invars' shapes,
@@ -405,30 +449,44 @@ class Emitter:
             # TF's Cast rule: the operand is taken as it is (no cast before a cast); a cast to
             # float32 whose consumers are all half casts to half instead.
             params = dict(eqn.params)
-            operand = read(eqn.invars[0])
-            if half:
-                params["new_dtype"] = self.half
-                if _clamped(rec, 0):
-                    operand = clamp(operand, self.half)
-            return bind(eqn, [operand], params)
+            operand = raw = read(eqn.invars[0])
+            if not half:
+                return bind(eqn, [operand], params)
+            params["new_dtype"] = self.half
+            clamped, big = _clamped(rec, 0), self._big(rec, 0)
+            operand = self._in_range(operand, self.half, clamped, big)
+            outs = bind(eqn, [operand], params)
+            narrowed = is_float(jnp.result_type(raw)) and not _fits(jnp.result_type(raw), self.half)
+            true = self.unsaturated.value(eqn.invars[0], raw, clamped or big, narrowed)
+            self.unsaturated.hand_on(eqn, outs[0], [operand], true)
+            return outs
         if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
             # readers and outputs get it exactly.
             return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)
         invals = [
-            read(a, self.target(node, a.aval.dtype), _clamped(rec, i))
+            read(a, self.target(node, a.aval.dtype), _clamped(rec, i), self._big(rec, i))
             for i, a in enumerate(eqn.invars)
         ]
         params = dict(eqn.params)
+        outs = None
         if half:
             for key in _DTYPE_PARAMS:
                 if key in params and params[key] is not None and is_f32(params[key]):
                     params[key] = self.half
+            saturated = self._saturated(eqn, rec, read, invals)
+            const = [_const(rec, i) for i in range(len(eqn.invars))]
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
-                return [self._scatter(eqn, invals)]
-            if _transpose_accumulates(eqn, rec):
-                return _float32_tangents(eqn, invals, params)
-        return bind(eqn, invals, params)
+                outs = [self._scatter(eqn, invals)]
+            elif saturated and reads_magnitude(eqn) or transpose_accumulates(eqn, const):
+                outs = float32_tangents(eqn, invals, params, saturated)
+        outs = bind(eqn, invals, params) if outs is None else outs
+        if node in self.painting.big and len(outs) == 1 and is_float(jnp.result_type(outs[0])):
+            big = [self._big(rec, i) for i in range(len(eqn.invars))]
+            outs = [self.flags.pinned(eqn, invals, big, outs[0])]  # see ``masking``
+        if half and saturated:
+            self.unsaturated.hand_on(eqn, outs[0], invals, saturated[0])
+        return outs
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
         fun = _SCATTER_FUNS.get(eqn.primitive.name)
@@ -477,51 +535,6 @@ class Emitter:
         """Re-wraps a custom derivative so its rule runs as written (see
         :func:`~jmp_rewrite._src.custom_rules.rewrap`)."""
         return custom_rules.rewrap(self, eqn, rec, invals)
-
-
-#: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
-#: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's
-#: whose operand broadcasts implicitly (a size-1 dimension: ``x @ w + b`` adds a ``[1, n]``
-#: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
-#: them in half precision.
-TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
-
-
-def _transpose_accumulates(eqn: Any, rec: EqnRec) -> bool:
-    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES:
-        return False
-    if eqn.primitive.name == "gather":
-        return not _const(rec, 0)
-    out = eqn.outvars[0].aval.shape
-    return any(
-        is_float(a.aval.dtype) and not _const(rec, i) and shapes.size_less(a.aval.shape, out)
-        for i, a in enumerate(eqn.invars)
-    )
-
-
-def _float32_tangents(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
-    """Binds a half-precision equation whose derivative runs in float32: the primal is
-    computed in half, tangents (and so, transposed, the cotangents that accumulate) in
-    float32, cast to half at the end. Forward and reverse mode both work. Every operand is
-    an argument (indices too: a closure over tracers would leak them into the jaxpr)."""
-
-    def call(*args: Any) -> Any:
-        return bind(eqn, list(args), params)[0]
-
-    fun = jax.custom_jvp(call)
-
-    @fun.defjvp
-    def fun_jvp(primals, tangents):
-        out = fun(*primals)
-        up = [cast(v, np.float32) for v in primals]
-        t_up = [
-            cast(t, np.float32) if is_float(jnp.result_type(p)) else t
-            for p, t in zip(primals, tangents, strict=True)
-        ]
-        _, t_out = jax.jvp(call, up, t_up)
-        return out, cast(t_out, jnp.result_type(out))
-
-    return [fun(*invals)]
 
 
 def _const(rec: EqnRec, i: int) -> bool:

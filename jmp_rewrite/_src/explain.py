@@ -24,7 +24,8 @@ from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import dtypes_after, equation_facts
-from jmp_rewrite._src.graph import Graph, Node, walk_scopes
+from jmp_rewrite._src.graph import Graph, Node
+from jmp_rewrite._src.graph_records import walk_scopes
 from jmp_rewrite._src.paint import deny_releases
 from jmp_rewrite._src.paint_additions import half_accumulating_carries
 from jmp_rewrite._src.report import CastReport, EquationReport, ReportData

@@ -28,7 +28,6 @@ op never taints float data through a comparison's boolean output.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,16 +48,18 @@ from jmp_rewrite._src.equations import (
     sealed,
     touches_complex,
 )
+from jmp_rewrite._src.graph_records import EqnRec, Node, ScopeRec
 from jmp_rewrite._src.origins import (
-    CONST,
     NOWHERE,
     LoopState,
     Origin,
+    big_seed,
+    const_origin,
+    const_origins,
     leaf_origin,
     loop_result_origins,
     recurrent_states,
     select_origin,
-    sentinel_scaled,
     stacked_origins,
 )
 from jmp_rewrite._src.regions import in_float32_region
@@ -98,53 +99,6 @@ def _discrete(var: Any, o: Origin) -> Origin:
     return dataclasses.replace(o, frozen=True)
 
 
-def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:
-    """Visits every equation of a scope and its sub-scopes, in program order:
-    ``step(ctx, eqn, rec)`` returns the context its sub-scopes are visited with."""
-    for eqn, rec in zip(scope.jaxpr.eqns, scope.eqns, strict=True):
-        inner = step(ctx, eqn, rec)
-        for sub in rec.subs.values():
-            for s in sub if isinstance(sub, list) else [sub]:
-                walk_scopes(s, inner, step)
-
-
-@dataclasses.dataclass
-class Node:
-    """One vertex of the painting graph.
-
-    Attributes:
-      id: index in ``Graph.nodes`` (creation order is a topological order of each jaxpr).
-      key: list key (primitive name or virtual key); structural nodes use ``<carry>`` etc.
-      kind: ``allow``/``infer``/``deny``/``clear``/``unlisted`` as used by the passes.
-      listed_kind: the list the key is on (differs from ``kind`` inside float32 regions).
-      float32: TF's ``IsFloat32`` for this vertex.
-      process: TF's ``ShouldProcess``; false inside float32 regions and fused units.
-      path: readable location, e.g. ``scan/body/dot_general``.
-      eqn: the equation (None for structural nodes).
-      is_cast: an existing ``convert_element_type`` to float32 (TF's Cast rule).
-      feeds_output: the value leaves the program (a TF fetch: never retargeted).
-      unit: id of the fused unit this node sits in, if any.
-      region: inside a :func:`jmp_rewrite.float32_region`.
-      origin: where its value comes from (see :class:`Origin`).
-    """
-
-    id: int
-    key: str
-    kind: str
-    listed_kind: str
-    float32: bool
-    process: bool
-    path: str
-    eqn: Any = None
-    is_cast: bool = False
-    feeds_output: bool = False
-    unit: int | None = None
-    region: bool = False
-    origin: Origin = NOWHERE
-    fanin: list[int] = dataclasses.field(default_factory=list)
-    fanout: list[int] = dataclasses.field(default_factory=list)
-
-
 #: Pieces through which a unit's residual still counts as its deny piece: moving values
 #: (clear) and summing them. A sum of exps is the exps accumulated (TF's fused kernels keep it
 #: float32); anything else computed from them (the log of the sum) is the unit's own result.
@@ -172,56 +126,13 @@ def _deny_residuals(sub: Any, nodes: list[Node]) -> list[int | None]:
     return [None if jc.is_literal(a) else source.get(a) for a in sub.jaxpr.outvars]
 
 
-@dataclasses.dataclass
-class EqnRec:
-    """How one equation of one jaxpr instance was mapped into the graph."""
-
-    kind: str  # leaf | opaque | unit | call | custom_jvp | custom_vjp | shard_map | cond | ...
-    node: int | None = None
-    #: the higher-order layout (None for leaf and opaque equations).
-    layout: Any = None
-    #: position among all equation records of the graph, in build order: stable across
-    #: re-paintings of the same program (``compare(...).apply()`` keys loops by it).
-    index: int = 0
-    subs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: while/scan: carry node per carry (None: not a float carry); cond: output nodes.
-    carries: list[int | None] = dataclasses.field(default_factory=list)
-    #: while/scan: per operand, the structural node whose dtype it is passed in (loop
-    #: consts, carries' initial values, xs), or None to pass it as it is.
-    operands: list[int | None] = dataclasses.field(default_factory=list)
-    #: call/cond: per operand, the nodes inside that read it (see ``ScopeRec.consumers``).
-    operand_consumers: list[list[int]] = dataclasses.field(default_factory=list)
-    xs: list[int | None] = dataclasses.field(default_factory=list)
-    ys: list[int | None] = dataclasses.field(default_factory=list)
-    #: per operand: a constant (see :class:`Origin`).
-    const_operands: tuple[bool, ...] = ()
-    #: per operand, its :class:`Origin` (float8 tells parameters from activations by it).
-    operand_origins: tuple[Origin, ...] = ()
-    #: per operand: frozen or a sentinel (see :class:`Origin`), clamped when cast to half.
-    clamped_operands: tuple[bool, ...] = ()
-
-
-@dataclasses.dataclass
-class ScopeRec:
-    """One instance of a jaxpr (the same jaxpr object may be called at several sites)."""
-
-    path: str
-    jaxpr: Any
-    eqns: list[EqnRec] = dataclasses.field(default_factory=list)
-    #: For each float input var of the jaxpr, the nodes that read it (looking through
-    #: nested calls and conds; casts excluded, as they take any dtype). A call site passes
-    #: an operand in the dtype all of them want, so the cast is made once, outside.
-    consumers: dict[Any, list[int]] = dataclasses.field(default_factory=dict)
-
-
 class Graph:
     """The flat painting graph of a closed jaxpr (see the module docstring)."""
 
     def __init__(self, closed: Any, lists: Any, half: Any = None):
         self.lists = lists
-        #: the half dtype's largest finite value: a product by a literal beyond it is a
-        #: sentinel (see ``origins.sentinel_scaled``); None (no dtype given): none is.
-        self.sentinel_limit = None if half is None else float(jnp.finfo(half).max)
+        #: the half type's largest finite value (``origins.big_seed``); None: no dtype given.
+        self.limit = None if half is None else float(jnp.finfo(half).max)
         self.nodes: list[Node] = []
         self._n_recs = 0
         #: an opaque equation's bodies hold float32 allowlist ops: the program changes even
@@ -230,7 +141,7 @@ class Graph:
         self._backward = False  # while building: inside a backward pass (transposed)
         jaxpr = jc.open_jaxpr(closed)
         n_in = len(jaxpr.constvars) + len(jaxpr.invars)
-        origins = [CONST] * len(jaxpr.constvars) + [
+        origins = const_origins(jc.consts_of(closed), len(jaxpr.constvars), self.limit) + [
             Origin(copy_of=j, derived=frozenset({j})) for j in range(len(jaxpr.invars))
         ]
         #: the program's input avals (``Origin.copy_of`` / ``derived`` index them).
@@ -319,7 +230,9 @@ class Graph:
             return env.get(atom)
 
         def origin(atom: Any) -> Origin:
-            return CONST if jc.is_literal(atom) else origins.get(atom, NOWHERE)
+            if jc.is_literal(atom):  # a fill passed to a call (``jnp.where``'s jit) is big
+                return const_origin(jc.literal_value(atom), self.limit)
+            return origins.get(atom, NOWHERE)
 
         outer_backward = self._backward
         for eqn in jaxpr.eqns:
@@ -369,16 +282,20 @@ class Graph:
             if out_origins is None:  # a leaf, opaque equation or fused unit
                 o = leaf_origin(eqn, self.lists.kind(key), in_origins)
                 o = NOWHERE if reads_refs(eqn) else o  # a Ref holds what was last written
-                if self.sentinel_limit is not None and not self._backward:
-                    lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
-                    if sentinel_scaled(eqn, in_origins, lits, self.sentinel_limit):
-                        o = dataclasses.replace(o, sentinel=True)
+                lits = [jc.literal_value(a) if jc.is_literal(a) else None for a in eqn.invars]
+                if self.limit is not None and not self._backward:
+                    o = dataclasses.replace(o, big=big_seed(eqn, in_origins, lits, self.limit, key))
                 out_origins = [o] * len(eqn.outvars)
                 if erec.node is not None:
                     self.nodes[erec.node].origin = o
+            if erec.node is not None:
+                self.nodes[erec.node].backward = self._backward
             erec.const_operands = tuple(o.const for o in in_origins)
             erec.operand_origins = tuple(in_origins)
-            erec.clamped_operands = tuple(o.frozen or o.sentinel for o in in_origins)
+            forward = not self._backward
+            erec.clamped_operands = tuple(forward and o.frozen for o in in_origins)
+            erec.big_operands = tuple(forward and o.big for o in in_origins)
+            erec.operand_nodes = tuple(ins) if forward else ()
             for var, src, o in zip(eqn.outvars, out, out_origins, strict=True):
                 if not jc.is_drop_var(var):
                     env[var] = src
@@ -560,7 +477,7 @@ class Graph:
                 state, self._n_states = self._n_states, self._n_states + 1
             states.append(state)
             derived = frozenset() if state is None else frozenset({state})
-            origins.append(Origin(copy_of=o.copy_of, derived=derived))
+            origins.append(Origin(copy_of=o.copy_of, derived=derived, big=o.big))
         return origins, states
 
     def _carry_origins(self, carries, states, outer, bouts, bout_origins, body):
@@ -597,7 +514,7 @@ class Graph:
             path,
             region,
             unit,
-            [CONST] * n_consts + list(origins),
+            const_origins(jc.consts_of(body), n_consts, self.limit) + list(origins),
         )
 
     def _consts(self, atoms, sources, path, process, unit, origins):
@@ -610,7 +527,7 @@ class Graph:
 
     def _copies(self, nodes, origins):
         """Loop consts hand their operand on unchanged."""
-        self._set_origins(nodes, [Origin(copy_of=o.copy_of) for o in origins])
+        self._set_origins(nodes, [Origin(copy_of=o.copy_of, big=o.big) for o in origins])
 
     def _set_origins(self, nodes, origins):
         for node, o in zip(nodes, origins, strict=True):

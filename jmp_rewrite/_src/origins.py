@@ -2,9 +2,12 @@
 
 A value no float input reaches (computed from constants and integer or boolean values: a
 padding bias built from an ``attention_mask``) is *frozen*, and clamped to the half range when
-cast, as a constant is (see :attr:`Origin.frozen`); so is a *sentinel*, a product by a
-constant beyond the half range (``(1.0 - mask) * finfo(float32).min`` with a float ``mask``:
-see :func:`sentinel_scaled`).
+cast, as a constant is (see :attr:`Origin.frozen`). A value a constant beyond the half range
+reaches forward through ops that keep its magnitude (a mask fill ``-1e9`` or
+``finfo(float32).min``, the bias built from it and the scores it is added to) is *big*
+(:attr:`Origin.big`, :func:`big_seed`): the painter keeps it float32
+(``paint_additions.keep_masked_values_float32``) and its casts into half saturate where the
+constant put it out of range (``masking``).
 
 A program input is a *state* when an output of its shape is computed from it linearly and
 combined with something else (``new = m * old + (1 - m) * stat``: an EMA, an SGD step), or
@@ -23,6 +26,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from jmp_rewrite._src.op_lists import ANNOTATIONS
 
@@ -57,9 +61,9 @@ class Origin:
         something else on the way (``new = a * old + b * f(x)``: a state update); a value
         moved or selected from an update is one still (``clip(p - lr * g, -c, c)``, a
         projected step; ``top_k(scores[:, None] + log_probs)``, a beam search's scores).
-      sentinel: sentinel-scaled: a forward product by a literal constant beyond the half
-        range, or a value moved or combined from such and frozen values only (see
-        :func:`sentinel_scaled`); clamped to the half range when cast, as a frozen value is.
+      big: a forward value a constant beyond the half range reaches through ops that keep
+        its magnitude (see :func:`big_seed`): a mask fill, a bias built from it, scores the
+        bias is added to; kept float32, saturated where a cast into half must take it.
     """
 
     const: bool = False
@@ -67,11 +71,13 @@ class Origin:
     copy_of: int | None = None
     derived: frozenset[int] = frozenset()
     updates: frozenset[int] = frozenset()
-    sentinel: bool = False
+    big: bool = False
 
 
 NOWHERE = Origin()
 CONST = Origin(const=True, frozen=True)
+#: A constant holding a finite value beyond the half range (a mask fill).
+BIG_CONST = Origin(const=True, frozen=True, big=True)
 #: Primitives that combine an old value with a new one in a state update.
 COMBINES = ("add", "sub", "add_any")
 #: Elementwise primitives whose result is linear in each operand of its shape (a product or
@@ -206,6 +212,7 @@ def select_origin(origins: list[Origin]) -> Origin:
         const=all(o.const for o in origins),
         frozen=all(o.frozen for o in origins),  # a constant in one branch only is none
         copy_of=copies.pop() if len(copies) == 1 else None,
+        big=any(o.big for o in origins),
         derived=derived,
         updates=frozenset().union(*(o.updates for o in origins)) & derived,
     )
@@ -275,11 +282,12 @@ def loop_result_origins(
     out = []
     for state, o_in, o_out in zip(states, outer, results, strict=True):
         if o_in.copy_of is not None and o_out.copy_of == o_in.copy_of:
-            out.append(o_in)
+            o = o_in
         elif state is not None and state in o_out.derived:
-            out.append(_seen_from_outside(o_out, states, outer, local))
+            o = _seen_from_outside(o_out, states, outer, local)
         else:
-            out.append(NOWHERE)
+            o = NOWHERE
+        out.append(dataclasses.replace(o, big=o_in.big or o_out.big))
     return out
 
 
@@ -303,7 +311,7 @@ def stacked_origins(
     for o_out in results:
         o = _seen_from_outside(o_out, states, outer, local)
         copy_of = None if o_out.derived & changed else o_out.copy_of
-        out.append(dataclasses.replace(o, copy_of=copy_of))
+        out.append(dataclasses.replace(o, copy_of=copy_of, big=o_out.big))
     return out
 
 
@@ -320,40 +328,72 @@ def _seen_from_outside(
     return Origin(derived=derived, updates=updates & derived)
 
 
-#: Ops through which a sentinel stays one when every other float operand is a sentinel or
-#: frozen: data movement, sign, casts, selections, and sums with constants (``1e9 - m * 1e9``).
-_SENTINEL_KEEPS = _MOVES | {"neg", "convert_element_type", "copy", "copy_p", "select_n", "add"}
-_SENTINEL_KEEPS |= {"sub", "reduce_precision"}
+#: Ops whose result holds an operand's magnitude (a sum, a product, a choice, a move, a
+#: maximum): a constant beyond the half range in an operand may be beyond it in the result.
+#: ``exp``, ``tanh``, comparisons, matmuls (computed values) and the rest do not carry it.
+CARRIES_MAGNITUDE = _MOVES | SCATTER_COMBINES | _SELECTIONS | _LINEAR
+CARRIES_MAGNITUDE |= {"abs", "floor", "ceil", "round", "integer_pow", "square", "sign"}
+CARRIES_MAGNITUDE |= {"reduce_max", "reduce_min", "reduce_sum", "cumsum", "cummax", "cummin"}
+CARRIES_MAGNITUDE |= {"argsort", "sort", "top_k", "stop_gradient", "optimization_barrier"}
+#: Fused units whose result keeps an operand's magnitude (``log_softmax(-1e9) = -1e9 - lse``).
+UNITS_CARRYING = frozenset({"jit:log_softmax", "jit:log_sigmoid", "jit:logsumexp"})
 
 
-def sentinel_scaled(eqn: Any, ins: list[Origin], literals: list[Any], limit: float) -> bool:
-    """Whether the outputs of forward equation ``eqn`` (operand origins ``ins``, literal
-    operand values ``literals``, None for variables) are *sentinels* for a half type whose
-    largest finite value is ``limit``.
+def carries_magnitude(key: str) -> bool:
+    """Whether a node of list key ``key`` hands on an operand's magnitude (see
+    :data:`CARRIES_MAGNITUDE`); structural nodes (carries, ``cond`` outputs, streams) do."""
+    return key in CARRIES_MAGNITUDE or key in UNITS_CARRYING or key.startswith("<")
 
-    Why: ``(1.0 - mask) * finfo(float32).min`` or ``m * -1e9`` is a *sentinel* (a padding
-    bias) whatever ``mask`` is, even a float argument the graph cannot tell from data: its
-    float32 magnitude is the user's constant, one no half type can hold (a hand-written
-    half model writes ``finfo(half).min``), not a computed quantity that overflowed. So a
-    product (or quotient) by a literal beyond the half range, and values moved, negated,
-    selected or summed from such and frozen values only, are clamped when cast into half.
-    Anything computed from them otherwise (``scores + bias``), a product by a constant
-    within the range (``x * 4.0``) and every backward (transposed) equation -- a cotangent
-    scaled by the constant -- still overflow honestly, so the loss-scale optimizer skips.
+
+def beyond(value: Any, limit: float) -> bool:
+    """Whether a concrete float ``value`` (a literal, a captured constant) holds a finite
+    value beyond ``limit`` in magnitude, or at it: ``finfo(float16).min`` in float16 is a
+    fill too (any score added to it leaves the range, or rounds it unevenly)."""
+    a = np.asarray(value)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return False
+    a = np.abs(a.astype(np.float64))
+    a = a[np.isfinite(a)]
+    return bool(a.size) and float(a.max()) >= limit
+
+
+def const_origin(value: Any, limit: float | None) -> Origin:
+    """A literal's or a captured constant's origin: big when it holds a finite value beyond
+    the half range (``limit``; None: no half type, nothing is big)."""
+    return BIG_CONST if limit is not None and beyond(value, limit) else CONST
+
+
+def const_origins(values: list[Any], n: int, limit: float | None) -> list[Origin]:
+    """The origins of ``n`` captured constants of values ``values`` (unknown: not big)."""
+    if len(values) != n:
+        return [CONST] * n
+    return [const_origin(v, limit) for v in values]
+
+
+def big_seed(eqn: Any, ins: list[Origin], literals: list[Any], limit: float, key: str = "") -> bool:
+    """Whether the outputs of forward equation ``eqn`` (list key ``key``, operand origins
+    ``ins``, literal operand values ``literals``, None for variables) are *big* for a half
+    type whose largest finite value is ``limit`` (see :attr:`Origin.big`).
+
+    Why: ``(1.0 - mask) * finfo(float32).min``, ``where(m, 0.0, -1e10)``, ``jnp.full(shape,
+    -1e9)``, a relative-position bias plus such a fill, the scores it is added to: float32
+    holds them finite, their magnitude is the user's constant, and no half type can hold it.
+    Computed in half they become infinite, and a fully masked softmax row NaN. A literal
+    beyond the range (or a quotient by one below its reciprocal) starts it, and every op that
+    keeps an operand's magnitude hands it on, whatever the other operands are. Every backward
+    (transposed) equation -- a cotangent times the constant -- is none: it overflows honestly,
+    for loss scaling to see.
     """
-    name = eqn.primitive.name
+    name = key if key in UNITS_CARRYING else eqn.primitive.name
+    if name not in CARRIES_MAGNITUDE and name not in UNITS_CARRYING:
+        return False
     floats = [
         (o, v) for a, o, v in zip(eqn.invars, ins, literals, strict=True) if _is_float(a.aval.dtype)
     ]
-    if name in ("mul", "div"):
-        big = [abs(float(v)) for _, v in floats[1 if name == "div" else 0 :] if _scalar(v)]
-        if name == "div":
-            return any(0.0 < b < 1.0 / limit for b in big)
-        return any(limit < b < float("inf") for b in big)
-    if name in _SENTINEL_KEEPS and eqn.outvars:
-        return any(o.sentinel for o, _ in floats) and all(o.sentinel or o.frozen for o, _ in floats)
-    return False
-
-
-def _scalar(value: Any) -> bool:
-    return value is not None and getattr(value, "shape", ()) == ()
+    if name == "div" and len(floats) == 2 and floats[1][1] is not None:
+        d = np.abs(np.asarray(floats[1][1], np.float64))
+        if d.size and np.isfinite(d).all() and (d > 0).all() and float(d.min()) < 1.0 / limit:
+            return True
+    if name == "div":  # a quotient keeps its numerator's magnitude, not its divisor's
+        floats = floats[:1]
+    return any(o.big or (v is not None and beyond(v, limit)) for o, v in floats)

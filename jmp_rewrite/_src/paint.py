@@ -15,6 +15,7 @@ from jmp_rewrite._src import attention as attention_lib
 from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.paint_additions import (
+    find_big_values,
     inherit_unit_colours,
     keep_float32_reads_unrounded,
     keep_highest_precision_float32,
@@ -205,6 +206,7 @@ def paint(
     keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
+    find_big_values(g, p)
     if not any(g.nodes[n].float32 for n in p.allow) and not g.opaque_allow:
         p.changed = False
     if fp8 is not None and p.changed:

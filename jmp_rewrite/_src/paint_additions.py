@@ -18,7 +18,12 @@ from jax import lax
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.equations import is_f32, sealed
 from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.origins import COMBINES, SCATTER_COMBINES, updates_state
+from jmp_rewrite._src.origins import (
+    COMBINES,
+    SCATTER_COMBINES,
+    carries_magnitude,
+    updates_state,
+)
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
 
 
@@ -515,3 +520,28 @@ def inherit_unit_colours(g: Graph, p: Painting) -> None:
         if n.unit is not None and n.float32 and n.unit in p.allow and n.listed_kind != DENY:
             p.allow.add(n.id)
             p.painted_by[n.id] = p.painted_by.get(n.unit, "unit")
+
+
+def find_big_values(g: Graph, p: Painting) -> None:
+    """Records the nodes holding *big* values, for the emitter to saturate; paints nothing.
+
+    Differs from TF on purpose (TF clamps nothing: a ``-1e9`` mask is ``-inf`` in its half
+    ``Add``). A mask fill beyond the half range (``finfo(float32).min``, ``-1e9`` in
+    float16), the bias built from it (``(1 - m) * fill``, ``where(m, 0, fill)``, a
+    relative-position or ALiBi bias plus it), the scores it is added to and what keeps
+    their magnitude downstream -- a scaling, the softmax's row maximum and ``x - max`` --
+    are *big* (``Origin.big``): the forward nodes reached from a big one through ops that
+    keep an operand's magnitude (``origins.carries_magnitude``; loop carries and ``cond``
+    outputs included, so a mask crossing any boundary stays big). They are painted by TF's
+    rules; where one runs in half, the elements a constant put out of range hold the half
+    type's largest finite value, with the constant's sign (``masking``). Backward
+    (transposed) nodes are never big: a gradient overflows honestly.
+    """
+    seeds = [n.id for n in g.nodes if n.origin.big and not n.backward]
+    big = _dfs(
+        seeds,
+        _fanout,
+        g.nodes,
+        lambda v, r: v.id == r or (not v.backward and carries_magnitude(v.key)),
+    )
+    p.big.update(big)

@@ -38,6 +38,8 @@ class Painting:
         ``paint_additions._keep_float32``): no longer processed, whatever its list.
       released: node id -> the pass that made it unlisted (a deny op that spreads nothing).
       as_infer: deny nodes painted as if on the infer list (``paint.deny_releases``' what-ifs).
+      big: ids of the nodes holding big values (``Origin.big``: a constant beyond the half
+        range reaches them; ``paint_additions.keep_masked_values_float32``).
     """
 
     allow: set[int]
@@ -49,6 +51,7 @@ class Painting:
     kept: dict[int, str] = dataclasses.field(default_factory=dict)
     released: dict[int, str] = dataclasses.field(default_factory=dict)
     as_infer: frozenset[int] = frozenset()
+    big: set[int] = dataclasses.field(default_factory=set)
 
     def colour(self, node_id: int) -> str:
         if node_id in self.allow:

@@ -36,7 +36,7 @@ import sysconfig
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.graph import walk_scopes
+from jmp_rewrite._src.graph_records import walk_scopes
 from jmp_rewrite._src.regions import region_names
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"

@@ -1,0 +1,123 @@
+"""Derivatives of half-precision equations taken in float32.
+
+The rewrite emits a half equation; ``jax.grad(rewrite(f))`` differentiates what it emitted.
+Two kinds of half equation get their derivative from float32 instead (``float32_tangents``):
+
+* one whose transpose accumulates (:data:`TRANSPOSE_ACCUMULATES`): summed in half, an
+  embedding's or a bias's gradient would stall;
+* one reading an operand that its way into half saturated (a literal ``-1e9`` clamped to
+  ``-65504``, a big value pinned: see ``masking``): its derivative reads the operand's
+  float32 value, as the program's does. ``d(m * -1e9)/dm`` is ``-1e9`` times the cotangent,
+  beyond the half range: it overflows, as ``rewrite(grad(f))`` does, and loss scaling sees
+  it; a zero cotangent stays 0. :class:`Unsaturated` knows those float32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import shapes
+from jmp_rewrite._src.custom_rules import cast
+from jmp_rewrite._src.equations import is_float
+from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.masking import MOVES_FIRST, SCALE_FREE_TANGENTS
+from jmp_rewrite._src.origins import beyond
+
+#: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
+#: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's
+#: whose operand broadcasts implicitly (a size-1 dimension: ``x @ w + b`` adds a ``[1, n]``
+#: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
+#: them in half precision.
+TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
+
+
+def transpose_accumulates(eqn: Any, const: Sequence[bool]) -> bool:
+    """Whether ``eqn`` (operands constant where ``const``) is one of
+    :data:`TRANSPOSE_ACCUMULATES` whose transpose accumulates here."""
+    if eqn.primitive.name not in TRANSPOSE_ACCUMULATES:
+        return False
+    if eqn.primitive.name == "gather":
+        return not const[0]
+    out = eqn.outvars[0].aval.shape
+    return any(
+        is_float(a.aval.dtype) and not const[i] and shapes.size_less(a.aval.shape, out)
+        for i, a in enumerate(eqn.invars)
+    )
+
+
+class Unsaturated:
+    """The float32 values of the operands that half saturated, for their readers'
+    derivatives: a literal beyond the range, a big float32 value cast into half, and what a
+    half cast or move of one stands for (``(1 - m) * jnp.full(s, -1e9)`` casts the fill)."""
+
+    def __init__(self, half: Any):
+        self.limit = float(jnp.finfo(half).max)
+        self._of: dict[int, tuple[Any, Any]] = {}  # id(half value) -> (it, float32 value)
+
+    def value(self, atom: Any, raw: Any, saturating: bool, narrowed: bool) -> Any:
+        """The float32 value of operand ``atom`` (held as ``raw``: a literal's value, the
+        value in the environment) where its way into half saturated it, else None.
+        ``saturating``: it is clamped or pinned when cast (frozen or big); ``narrowed``:
+        ``raw`` is cast into half on the way."""
+        if not saturating or not is_float(atom.aval.dtype):
+            return None
+        if jc.is_literal(atom):
+            return raw if beyond(raw, self.limit) else None
+        if id(raw) in self._of:
+            return self._of[id(raw)][1]
+        return raw if narrowed else None
+
+    def hand_on(self, eqn: Any, out: Any, invals: Sequence[Any], first: Any) -> None:
+        """A half cast or move ``eqn`` of an operand of float32 value ``first`` (None: none
+        saturated): ``out`` stands for the same equation of ``first``."""
+        name = eqn.primitive.name
+        if first is None or (name != "convert_element_type" and name not in MOVES_FIRST):
+            return
+        self._of[id(out)] = (out, bind(eqn, [first, *invals[1:]], eqn.params)[0])
+
+
+def reads_magnitude(eqn: Any) -> bool:
+    """Whether ``eqn``'s derivative reads its operands' values (not a sum, choice, move)."""
+    return eqn.primitive.name not in SCALE_FREE_TANGENTS
+
+
+def float32_tangents(
+    eqn: Any, invals: list[Any], params: dict[str, Any], saturated: Any = None
+) -> list[Any]:
+    """Binds a half-precision equation whose derivative runs in float32: the primal is
+    computed in half, tangents (and so, transposed, the cotangents that accumulate) in
+    float32, cast to half at the end. Forward and reverse mode both work. Every operand is
+    an argument (indices too: a closure over tracers would leak them into the jaxpr).
+
+    ``saturated``: per operand, its float32 value where half saturated it (None elsewhere);
+    the derivative reads that value (see the module docstring)."""
+    n = len(invals)
+    true = [i for i, s in enumerate(saturated or ()) if s is not None]
+
+    def call(*args: Any) -> Any:
+        return bind(eqn, list(args[:n]), params)[0]
+
+    def call32(*args: Any) -> Any:  # the program's own equation, in float32
+        return bind(eqn, list(args), eqn.params)[0]
+
+    fun = jax.custom_jvp(call)
+
+    @fun.defjvp
+    def fun_jvp(primals, tangents):
+        out = fun(*primals)
+        values = dict(zip(true, primals[n:], strict=True))
+        up = [cast(values.get(i, v), np.float32) for i, v in enumerate(primals[:n])]
+        t_up = [
+            cast(t, np.float32) if is_float(jnp.result_type(p)) else t
+            for p, t in zip(primals[:n], tangents[:n], strict=True)
+        ]
+        _, t_out = jax.jvp(call32, up, t_up)
+        return out, cast(t_out, jnp.result_type(out))
+
+    return [fun(*invals, *(jnp.asarray(saturated[i], np.float32) for i in true))]
