@@ -44,7 +44,7 @@ def rewrap(em: Any, eqn: Any, rec: Any, invals: list[Any]) -> list[Any]:
     orig_in = [a.aval.dtype for a in eqn.invars]
 
     def body(*args: Any) -> tuple[Any, ...]:
-        return tuple(em.run(scope, consts, args))
+        return tuple(em.run_traced(scope, consts, args))
 
     name = body.__name__ = jc.function_name(rec.layout.inner())
 

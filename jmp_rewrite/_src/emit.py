@@ -113,7 +113,8 @@ class Staged:
 
     def shard_map(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         fun = jax.shard_map(
-            lambda *args: tuple(em.run(rec.subs["body"], [], args)), **ho.shard_map_options(eqn)
+            lambda *args: tuple(em.run_traced(rec.subs["body"], [], args)),
+            **ho.shard_map_options(eqn),
         )
         with em.staging():
             return list(fun(*invals))
@@ -371,16 +372,23 @@ class Emitter:
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[None]:
-        """While bodies are traced for re-binding (values are tracers, control is staged).
-        A body's trace has flags and float32 values of its own: one computed in the outer
-        trace (or left lazy there) would be captured by the body's jaxpr as a constant."""
+        """While bodies are traced for re-binding (values are tracers, control is staged)."""
         self.depth += 1
-        outer = self.flags, self.unsaturated
-        self.flags, self.unsaturated = Flags(self.half), Unsaturated(self.half)
         try:
             yield
         finally:
             self.depth -= 1
+
+    def run_traced(self, scope: ScopeRec, consts: Sequence[Any], args: Sequence[Any], **kw):
+        """:meth:`run` as the function of a trace of its own (a body's ``make_jaxpr``, a
+        ``shard_map``, a custom rule): with flags and float32 values of its own, dropped
+        before the trace ends. The outer trace's (computed there, or left lazy) would be
+        captured by the body's jaxpr as constants, and kept, its tracers would leak."""
+        outer = self.flags, self.unsaturated
+        self.flags, self.unsaturated = Flags(self.half), Unsaturated(self.half)
+        try:
+            return self.run(scope, consts, args, **kw)
+        finally:
             self.flags, self.unsaturated = outer
 
     def avals(self, inner: Any, values: Sequence[Any]) -> list[Any]:
@@ -402,7 +410,7 @@ class Emitter:
         """A closed jaxpr for ``scope`` at ``in_avals``; outputs cast to ``out_dtypes``."""
 
         def fun(*args: Any) -> list[Any]:
-            return self.run(scope, consts, args, out_dtypes)
+            return self.run_traced(scope, consts, args, out_dtypes=out_dtypes)
 
         def make() -> Any:
             with self.staging():

@@ -58,7 +58,8 @@ class Unsaturated:
 
     def __init__(self, half: Any):
         self.limit = float(jnp.finfo(half).max)
-        self._of: dict[int, tuple[Any, Any]] = {}  # id(half value) -> (it, float32 value)
+        #: id(half value) -> (it, its float32 value or a function computing it)
+        self._of: dict[int, tuple[Any, Any]] = {}
 
     def value(self, atom: Any, raw: Any, saturating: bool, narrowed: bool) -> Any:
         """The float32 value of operand ``atom`` (held as ``raw``: a literal's value, the
@@ -70,7 +71,11 @@ class Unsaturated:
         if jc.is_literal(atom):
             return raw if beyond(raw, self.limit) else None
         if id(raw) in self._of:
-            return self._of[id(raw)][1]
+            held, value = self._of[id(raw)]
+            if callable(value):  # computed when a derivative first reads it
+                value = value()
+                self._of[id(raw)] = (held, value)
+            return value
         return raw if narrowed else None
 
     def hand_on(self, eqn: Any, out: Any, invals: Sequence[Any], first: Any) -> None:
@@ -79,7 +84,8 @@ class Unsaturated:
         name = eqn.primitive.name
         if first is None or (name != "convert_element_type" and name not in MOVES_FIRST):
             return
-        self._of[id(out)] = (out, bind(eqn, [first, *invals[1:]], eqn.params)[0])
+        rest = list(invals[1:])  # not bound unless read: most casts are never differentiated
+        self._of[id(out)] = (out, lambda: bind(eqn, [first, *rest], eqn.params)[0])
 
 
 def reads_magnitude(eqn: Any) -> bool:
