@@ -207,7 +207,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "eager.py",
         "r_fin & (r != 0) & (h == 0)",
         "r_fin & (h == 0)",
-        ("tests/test_compare.py", "tests/test_compare_oracle.py", "tests/test_gradient_underflow.py"),
+        (
+            "tests/test_compare.py",
+            "tests/test_compare_oracle.py",
+            "tests/test_gradient_underflow.py",
+        ),
         "compare counts exact zeros of float32 (ReLU gradients) as underflow: false "
         "'gradient underflow' notes and inflated underflow counts",
     ),
