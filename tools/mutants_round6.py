@@ -17,7 +17,7 @@ _G = "tests/test_goldens.py"
 
 def _m(name, file, original, replacement, tests, bug, survives=""):
     tests = (tests,) if isinstance(tests, str) else tuple(tests)
-    return Mutant(name, _SRC + file, original, replacement, (*tests, _G), bug, survives)
+    return Mutant(name, _SRC + file, original, replacement, (_G, *tests), bug, survives)
 
 
 ENGINE = ("tests/test_rewrite.py", "tests/test_dtype_decisions.py", "tests/test_tf_patterns.py")
