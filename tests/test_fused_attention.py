@@ -339,6 +339,29 @@ def test_rows_without_keys_get_float32s_value(fill, spelling):
         assert float(jnp.abs(ref[0][1]).max()) > 1e-3  # float32's own, through the rounding
 
 
+def test_a_constant_mask_with_some_rows_without_keys_gives_them_float32s_value():
+    """A constant mask (a window shifted past the first queries) leaving some query rows,
+    not all, without keys: those rows get float32's uniform weights (the values' mean), the
+    others the fused attention's."""
+    q, k, v = _qkv(4)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    keep = jnp.asarray((j - i >= 2) & (j - i <= 4))  # the last two queries see no key
+
+    def att(q, k, v):
+        return _out(jax.nn.softmax(jnp.where(keep, _einsum(q, k), FMIN)), v)
+
+    fn = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
+    sel = _selection(fn, q, k, v)
+    assert len(sel.fused) == 1 and sel.fused[0].core.guard_mask
+    want, got = att(q, k, v), jax.jit(fn)(q, k, v)
+    empty = ~np.asarray(keep).any(-1)
+    assert empty.sum() == 2
+    mean = jnp.broadcast_to(v.mean(1, keepdims=True), v.shape)
+    np.testing.assert_allclose(want[:, empty], mean[:, empty], atol=1e-5)
+    np.testing.assert_allclose(got[:, empty], want[:, empty], atol=2e-2)
+    np.testing.assert_allclose(got[:, ~empty], want[:, ~empty], atol=3e-2)
+
+
 # -- left as written, with the reason ---------------------------------------------------------
 
 

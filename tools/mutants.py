@@ -65,6 +65,7 @@ _REWRITE_FILES = (
     "tests/test_op_lists.py",
 )
 _LOSS_SCALE_FILES = ("tests/test_loss_scale.py", "tests/test_loss_scale_optimizer.py")
+_LOSS_SCALE_FILES += ("tests/test_loss_scale_misuse.py",)
 BROAD: dict[str, tuple[str, ...]] = {
     **{
         "jmp_rewrite/_src/" + m: _REWRITE_FILES
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    listed = (
-        MUTANTS
+    listed = (  # by default the curated list and the planted rounds
+        MUTANTS + importlib.import_module("tools.mutants_round6").MUTANTS
         if args.list_module == "tools.mutant_list"
         else importlib.import_module(args.list_module).MUTANTS
     )
