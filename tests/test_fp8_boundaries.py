@@ -14,10 +14,6 @@ When ``fp8=True`` (or rules) runs no matmul in float8, a
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 import warnings
 
 import jax
@@ -26,6 +22,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from jaxpr_walk import all_eqns, runs_in_half
+from multidevice import run_on_eight_devices
 
 import jmp_rewrite as jr
 
@@ -187,17 +184,6 @@ def test_rewrite_jaxpr_and_explain_say_it_too():
 
 # -- eight devices ----------------------------------------------------------------------------
 
-SCRIPT = pathlib.Path(__file__).with_name("multidevice_fp8.py")
-
 
 def test_float8_under_shard_map_on_eight_devices():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1800
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("OK")
+    assert run_on_eight_devices("multidevice_fp8.py").strip().endswith("OK")

@@ -26,7 +26,7 @@ def _load(name: str):
     return module
 
 
-MUTANTS = _load("mutant_list").MUTANTS
+MUTANTS = _load("mutant_list").MUTANTS + _load("mutants_round6").MUTANTS  # curated + planted
 
 
 def _test_names(file: str) -> set[str]:

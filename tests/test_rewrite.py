@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jaxpr_walk import all_eqns, casts, emitted, prims, runs_in_half, scopes
+from multidevice import run_on_eight_devices
 
 import jmp_rewrite as jr
 from jmp_rewrite._src.higher_order import describe
@@ -519,20 +519,9 @@ def test_paint_result_is_readable():
 
 # -- multiple devices -------------------------------------------------------------------------
 
-SCRIPT = pathlib.Path(__file__).with_name("multidevice_rewrite.py")
-
 
 def test_shard_map_and_shardings_on_eight_devices():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1800
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().endswith("OK")
+    assert run_on_eight_devices("multidevice_rewrite.py").strip().endswith("OK")
 
 
 def test_typed_prng_keys_pass_through():

@@ -40,6 +40,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
+import importlib
 import os
 import pathlib
 import re
@@ -64,6 +65,7 @@ _REWRITE_FILES = (
     "tests/test_op_lists.py",
 )
 _LOSS_SCALE_FILES = ("tests/test_loss_scale.py", "tests/test_loss_scale_optimizer.py")
+_LOSS_SCALE_FILES += ("tests/test_loss_scale_misuse.py",)
 BROAD: dict[str, tuple[str, ...]] = {
     **{
         "jmp_rewrite/_src/" + m: _REWRITE_FILES
@@ -291,9 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant")
     parser.add_argument("--python", default=sys.executable, help="interpreter running pytest")
     parser.add_argument("--out", default="runs/mutants.md", help="Markdown summary file")
+    parser.add_argument(
+        "--list-module",
+        default="tools.mutant_list",
+        help="module whose MUTANTS to run (a planted round: tools.mutants_round6)",
+    )
     args = parser.parse_args(argv)
 
-    mutants = [m for m in MUTANTS if re.search(args.select, m.name)]
+    listed = (  # by default the curated list and the planted rounds
+        MUTANTS + importlib.import_module("tools.mutants_round6").MUTANTS
+        if args.list_module == "tools.mutant_list"
+        else importlib.import_module(args.list_module).MUTANTS
+    )
+    mutants = [m for m in listed if re.search(args.select, m.name)]
     if args.list:
         for m in mutants:
             print(f"{m.name:40} {m.file:40} {m.bug}")
