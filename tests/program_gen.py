@@ -816,7 +816,7 @@ def _wrap(fn: Callable[..., Any], wrapper: str) -> Callable[..., Any]:
         def local(h, p):  # states made device-varying, as a loop carrying them needs
             return fn(h, {**p, "s": [lax.pcast(v, "d", to="varying") for v in p["s"]]})
 
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+        mesh = jax.sharding.Mesh(np.array(jax.local_devices(backend="cpu")[:1]), ("d",))
         return jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d"))
     assert wrapper == "scan2", wrapper
 
@@ -923,7 +923,10 @@ def transformed(
 
 
 def _wrappers(draw: Any) -> tuple[str, ...]:
-    return tuple(draw(st.lists(st.sampled_from(WRAPPERS), max_size=2)))
+    drawn = tuple(draw(st.lists(st.sampled_from(WRAPPERS), max_size=2)))
+    if drawn.count("shard_map") > 1:  # a shard_map inside one over the same mesh axis: no
+        drawn = drawn[1:]
+    return drawn
 
 
 @st.composite

@@ -80,9 +80,21 @@ def _full_lengths(x: Any, t: int, s: int) -> Any:
 
 def _dpa(impl: str, core: Core, half: Any, q: Any, k: Any, v: Any, bias: Any, mask: Any) -> Any:
     if impl != "cudnn":
-        return jax.nn.dot_product_attention(
-            q, k, v, bias=bias, mask=mask, scale=core.scale, is_causal=core.causal
+        # JAX's own attention asks float16 logits for the F16_F16_F32 dot algorithm, which
+        # XLA:CPU (and TPU) refuse when compiling: there float16 runs it in float32 (no
+        # speed to lose off CUDA; more exact than half, never less).
+        f16 = q.dtype == jnp.float16
+        up = (lambda x: x.astype(jnp.float32)) if f16 else (lambda x: x)
+        out = jax.nn.dot_product_attention(
+            up(q),
+            up(k),
+            up(v),
+            bias=None if bias is None else up(bias),
+            mask=mask,
+            scale=core.scale,
+            is_causal=core.causal,
         )
+        return out.astype(q.dtype)
     t, s = q.shape[1], k.shape[1]
     mask = _full_lengths(mask, t, s)
     bias = _full_lengths(bias, t, s)

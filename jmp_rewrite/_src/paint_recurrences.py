@@ -92,7 +92,11 @@ def _products(g: Graph, coefficients: set[int]) -> tuple[list[int], list[int]]:
     for n in g.nodes:
         if n.key == "mul" and any(f in coefficients for f in n.fanin):
             factors = [f for f in n.fanin if f not in coefficients]
-        elif n.key == "div" and not jc.is_literal(n.eqn.invars[1]) and n.fanin[-1] in coefficients:
+        elif (
+            n.key == "div"
+            and not jc.is_literal(n.eqn.invars[1])
+            and set(n.fanin[-1:]) & coefficients
+        ):
             factors = [f for f in n.fanin[:-1] if f not in coefficients]
         else:
             continue
