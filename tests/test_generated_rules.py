@@ -53,7 +53,7 @@ def _matches(patterns, e) -> bool:
     return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in _names(e))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_generated_programs_under_drawn_float8_rules(data):
     program = data.draw(programs(PAINTED_WHOLE), label="program")
@@ -129,7 +129,7 @@ def _platform_rule(device: FakeDevice):
     return None
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=programs(PAINTED_WHOLE), device=DEVICES)
 def test_generated_programs_on_faked_devices(program, device):
     fun, args = _traced(program)

@@ -296,7 +296,7 @@ def unexplained(program: Program, problems: dict[str, str]) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------
 
 LONG = os.environ.get("HYPOTHESIS_PROFILE") == "long"
-EXAMPLES = 200 if LONG else 16  # per dtype
+EXAMPLES = 200 if LONG else 12  # per dtype
 PHASES = tuple(Phase) if LONG else (Phase.explicit, Phase.reuse, Phase.generate)
 
 
