@@ -1613,8 +1613,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.body_flags_shared",
         "emit.py",
-        "        self.flags, self.unsaturated = Flags(self.half), Unsaturated(self.half)\n        try:\n            return self.run(",
-        "        try:\n            return self.run(",
+        "        with self.own_flags():\n            return self.run(scope, consts, args, **kw)",
+        "        return self.run(scope, consts, args, **kw)",
         "tests/test_oracle.py::test_counterexample[masks-flags-captured-by-open-body-bf16]",
         "a checkpoint body reads big-value flags computed in the outer trace: a captured "
         "constant its open jaxpr cannot hold",

@@ -183,7 +183,8 @@ class Recorder(Staged, Hooks):
             env = dict(zip(in_vars, invals, strict=True))
             self.pending = []
             try:
-                em.execute(scope, env, em.reader(env), start, end)
+                with em.own_flags():  # a segment is a trace of its own
+                    em.execute(scope, env, em.reader(env), start, end)
                 pending = self.pending
             finally:
                 self.pending = None

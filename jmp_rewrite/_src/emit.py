@@ -384,10 +384,16 @@ class Emitter:
         ``shard_map``, a custom rule): with flags and float32 values of its own, dropped
         before the trace ends. The outer trace's (computed there, or left lazy) would be
         captured by the body's jaxpr as constants, and kept, its tracers would leak."""
+        with self.own_flags():
+            return self.run(scope, consts, args, **kw)
+
+    @contextlib.contextmanager
+    def own_flags(self) -> Iterator[None]:
+        """Fresh flags and float32 values for a trace of its own (see :meth:`run_traced`)."""
         outer = self.flags, self.unsaturated
         self.flags, self.unsaturated = Flags(self.half), Unsaturated(self.half)
         try:
-            return self.run(scope, consts, args, **kw)
+            yield
         finally:
             self.flags, self.unsaturated = outer
 

@@ -349,10 +349,10 @@ def beyond(value: Any, limit: float) -> bool:
     """Whether a concrete float ``value`` (a literal, a captured constant) holds a finite
     value beyond ``limit`` in magnitude, or at it: ``finfo(float16).min`` in float16 is a
     fill too (any score added to it leaves the range, or rounds it unevenly)."""
-    a = np.asarray(value)
-    if not jnp.issubdtype(a.dtype, jnp.floating):
+    dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):  # a PRNG key has no NumPy form
         return False
-    a = np.abs(a.astype(np.float64))
+    a = np.abs(np.asarray(value).astype(np.float64))
     a = a[np.isfinite(a)]
     return bool(a.size) and float(a.max()) >= limit
 
