@@ -24,20 +24,15 @@ import jax.extend.core
 import jax.numpy as jnp
 
 import jmp_rewrite
+from jmp_rewrite._src import explain_html
 
 GUIDE = os.path.join("guides", "how_it_works.md")
 EXPLAIN_GUIDE = os.path.join("guides", "explain.md")
 _BLOCK = re.compile(r"^```python\n(?P<code>.*?)^```", re.S | re.M)
 
-#: The colours of ``explain(...).to_html()``'s legend, so the diagram and the report agree.
-LIST_COLOURS = {
-    "allow": "#b7e1a1",
-    "infer": "#fff2a8",
-    "deny": "#f4a6a6",
-    "clear": "#cfe2f3",
-    "unlisted": "#e6e6e6",
-}
-HALF_COLOUR = "#6aa84f"
+#: The colours of ``explain(...).to_html()``'s legend (taken from it: the diagram and the
+#: report agree by construction).
+LIST_COLOURS, HALF_COLOUR = explain_html.LIST_COLOURS, explain_html.HALF_COLOUR
 FLOAT32_COLOUR = "#555555"
 
 #: The pass that decided, as the guide numbers them.
