@@ -11,18 +11,26 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def cpu_subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a test's subprocess: CPU only, the checkout importable, and no
+    ``JAX_CHECK_TRACER_LEAKS`` (it disables JAX's caches; leaks are checked in-process)."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }
+    env.pop("JAX_CHECK_TRACER_LEAKS", None)
+    return env
+
+
 def run_script(name: str, out: pathlib.Path, *args: str) -> tuple[dict, str]:
     """``benchmarks/<name> --smoke --out <out> <args>`` on CPU: (its JSON, its stdout).
 
     Without ``JAX_CHECK_TRACER_LEAKS`` (it disables JAX's caches; the scripts use only the
     public API, whose tracing the library's own tests check). The timeout only guards
     against a hang: no test depends on how fast the machine is."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAX_CHECK_TRACER_LEAKS", None)
+    env = cpu_subprocess_env()
     script = ROOT / "benchmarks" / name
     proc = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(out), *args],

@@ -3,27 +3,20 @@ the device count must be set through ``XLA_FLAGS`` before JAX is first imported.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
+
+from benchmark_runs import cpu_subprocess_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 def run_on_eight_devices(script: str, *args: str) -> str:
-    """Runs ``tests/<script> <args>``; its stdout (a failure shows its stderr's end).
-
-    Without ``JAX_CHECK_TRACER_LEAKS`` (it disables JAX's caches; leaks are checked
-    elsewhere). The timeout only guards against a hang: no test depends on how fast the
-    machine is."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-    }
-    env.pop("JAX_CHECK_TRACER_LEAKS", None)
+    """Runs ``tests/<script> <args>``; its stdout (a failure shows its stderr's end). The
+    environment is :func:`benchmark_runs.cpu_subprocess_env`'s; the timeout only guards
+    against a hang: no test depends on how fast the machine is."""
+    env = cpu_subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     out = subprocess.run(
         [sys.executable, str(HERE / script), *args],
         env=env,
