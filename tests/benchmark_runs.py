@@ -14,10 +14,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def cpu_subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a test's subprocess: CPU only, the checkout importable, and no
     ``JAX_CHECK_TRACER_LEAKS`` (it disables JAX's caches; leaks are checked in-process)."""
+    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS"), extra.pop("XLA_FLAGS", None)) if f)
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "XLA_FLAGS": flags,  # the suite's compile settings (conftest.py) and the caller's
         **extra,
     }
     env.pop("JAX_CHECK_TRACER_LEAKS", None)

@@ -12,12 +12,63 @@ examples on every run, to look for failures by hand:
 A test's own ``@settings`` (example counts, phases) apply on top of the profile.
 """
 
+import gc
 import os
+import shutil
+import tempfile
 import warnings
 
 import jax
 import pytest
 from hypothesis import settings
+
+# ------------------------------------------------------------------------------------------
+# How the suite compiles. XLA:CPU's backend compile was 78% of the suite's time (measured on
+# test_symbolic_shapes + test_round4_numerics: 206 of 264 s). Two settings, for the tests only:
+# - LLVM at -O0 (``--xla_backend_optimization_level=0``): a third less compile time. The HLO
+#   passes (fusion, layout, algebraic simplification) still run, so the programs computed are
+#   the ones users get; only the machine code is less optimised, and the tests' arrays are tiny.
+# - a compilation cache shared by the xdist workers and the tests' subprocesses, made fresh for
+#   each run and removed after it (nothing carries over between runs): the same HLO (the
+#   float32 reference of a model, the same train step under another test) compiles once.
+# Both go through the environment, so workers and subprocesses inherit them.
+# ------------------------------------------------------------------------------------------
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+_OWN_CACHE = "JMP_TEST_COMPILATION_CACHE" not in os.environ
+if _OWN_CACHE:  # the controller (or a run without xdist) makes it; workers inherit it
+    os.environ["JMP_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jmp-test-xla-cache-")
+_CACHE_DIR = os.environ["JMP_TEST_COMPILATION_CACHE"]
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+# Under ``jax_check_tracer_leaks`` every trace that outlives its ``del`` runs a full
+# ``gc.collect()``, whose cost grows with everything alive in the worker: the libraries
+# imported, the test modules, JAX's caches of every program traced so far. Measured: leak-checked
+# tests ran 2-15x slower late in the suite than alone (``test_export_under_the_tracer_leak_check``
+# 31 s against 2 s). What is alive after collection, and after each module, is frozen
+# (``gc.freeze``: the collector no longer scans it), so a collection costs what the running
+# test made. The leak check still sees every tracer a test makes: those are never frozen.
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _freeze_what_each_module_leaves():
+    yield
+    gc.collect()
+    gc.freeze()
+
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True)
 settings.register_profile("random", deadline=None, print_blob=True)
