@@ -1,0 +1,178 @@
+"""Round 7 of planted bugs: 15 realistic one-line bugs in ``jmp_rewrite/_src``, one per
+module (15 modules: painting, emission, loss scaling, float8, attention, explain/compare,
+arguments), written by a helper who had read the library (``jmp_rewrite/``), ``docs/``,
+``README.md``, ``tools/mutants.py`` and the format (and one-line descriptions, to avoid
+duplicates) of ``tools/mutants_round6.py``, but NOT ``tests/`` nor the entries of
+``tools/mutant_list.py`` nor ``runs/mutants_round6.md`` (independence record: this file as
+first committed, before any test was read; each mutant's ``tests`` guessed from the test
+files' names in ``ls tests/`` only).
+
+Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round7 --broad -j 2``.
+"""
+
+from __future__ import annotations
+
+from tools.mutant_list import Mutant
+
+_SRC = "jmp_rewrite/_src/"
+_T = "tests/"
+
+
+def _m(name, file, original, replacement, tests, bug, survives=""):
+    tests = (tests,) if isinstance(tests, str) else tuple(tests)
+    return Mutant(name, _SRC + file, original, replacement, tests, bug, survives)
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- painting --------------------------------------------------------------------------
+    _m(
+        "r7_cast_allow_if_any_output_allow",
+        "paint.py",
+        "            if all(c in p.allow for c in n.fanout):",
+        "            if any(c in p.allow for c in n.fanout):",
+        (_T + "test_tf_patterns.py", _T + "test_dtype_decisions.py", _T + "test_goldens.py"),
+        "TF's MakeCastsAllowIfAllOutputsAllow with any for all: a user's cast to float32 read "
+        "by a half matmul AND a float32 op casts to half, so the float32 reader gets a rounded "
+        "copy (positions.astype(f32) beyond 256 rounded in bfloat16) and explain paints it half",
+    ),
+    _m(
+        "r7_unit_deny_pieces_half",
+        "paint_additions.py",
+        "if n.unit is not None and n.float32 and n.unit in p.allow and n.listed_kind != DENY:",
+        "if n.unit is not None and n.float32 and n.unit in p.allow:",
+        (_T + "test_dtype_decisions.py", _T + "test_goldens.py", _T + "test_numerics.py"),
+        "a fused unit painted half (jit:log_softmax) paints its deny pieces half too: the exp "
+        "and reduce_sum inside a half log_softmax run in half instead of float32",
+    ),
+    _m(
+        "r7_fill_at_half_max_not_big",
+        "origins.py",
+        "return bool(a.size) and float(a.max()) >= limit",
+        "return bool(a.size) and float(a.max()) > limit",
+        (_T + "test_mask_values.py", _T + "test_numerics.py", _T + "test_round4_numerics.py"),
+        "a mask fill exactly at the half type's largest value (finfo(float16).min in a float16 "
+        "rewrite) is not big: scores + fill computed in half round to -inf for some elements "
+        "and not others, a fully masked row is no longer uniform (or NaN)",
+    ),
+    # -- emission --------------------------------------------------------------------------
+    _m(
+        "r7_scatter_add_sums_in_half",
+        "emit.py",
+        '    "scatter-add",\n',
+        "",
+        (_T + "test_numerics.py", _T + "test_round4_numerics.py", _T + "test_rewrite.py"),
+        "a scatter-add painted half (bfloat16: infer) no longer accumulates in float32: an "
+        "embedding gradient (the row of a token seen thousands of times) is summed in bfloat16 "
+        "and stalls",
+    ),
+    _m(
+        "r7_row_max_flag_any",
+        "masking.py",
+        "lo, hi = jnp.all(flags[0] < 0, axis=axes), jnp.any(flags[0] > 0, axis=axes)",
+        "lo, hi = jnp.any(flags[0] < 0, axis=axes), jnp.any(flags[0] > 0, axis=axes)",
+        (_T + "test_mask_values.py", _T + "test_numerics.py", _T + "test_round4_numerics.py"),
+        "a row's maximum is flagged as a negative fill when ANY element is masked (not all): "
+        "in a partially masked row, x - max(x) pins the unmasked elements at +65504 in float16 "
+        "and the softmax becomes inf/NaN",
+    ),
+    _m(
+        "r7_tangent_reads_saturated",
+        "tangents.py",
+        "up = [cast(values.get(i, v), np.float32) for i, v in enumerate(primals[:n])]",
+        "up = [cast(v, np.float32) for i, v in enumerate(primals[:n])]",
+        (_T + "test_mask_values.py", _T + "test_custom_derivatives.py", _T + "test_numerics.py"),
+        "a half equation reading a saturated operand differentiates at the saturated value: "
+        "d(m * -1e9)/dm in grad(rewrite(f)) is -65504 * ct instead of -1e9 * ct (which "
+        "overflows honestly for loss scaling to see)",
+    ),
+    # -- loss scaling ----------------------------------------------------------------------
+    _m(
+        "r7_backoff_by_two",
+        "loss_scale.py",
+        "scale_if_not = jnp.maximum(loss_scale / multiplier, jnp.float32(self.min_loss_scale))",
+        "scale_if_not = jnp.maximum(loss_scale / 2.0, jnp.float32(self.min_loss_scale))",
+        (_T + "test_loss_scale.py", _T + "test_loss_scale_optimizer.py"),
+        "the back-off on a non-finite step divides by 2 whatever the multiplier: "
+        "DynamicLossScale(multiplier=4) grows by 4 but shrinks by 2",
+    ),
+    _m(
+        "r7_complex_params_to_float32",
+        "loss_scale_optimizer.py",
+        'if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):',
+        'if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):',
+        (_T + "test_complex_values.py", _T + "test_loss_scale_optimizer.py"),
+        "complex parameters are cast to float32 for the inner optimizer (init and update): "
+        "their imaginary part is dropped, Adam's moments of a complex parameter become real",
+    ),
+    _m(
+        "r7_scale_loss_in_loss_dtype",
+        "loss_scale_state.py",
+        "dtype = jnp.promote_types(loss.dtype, jnp.float32)",
+        "dtype = loss.dtype",
+        (_T + "test_loss_scale_optimizer.py", _T + "test_loss_scale.py", _T + "test_train_step.py"),
+        "scale_loss multiplies a float16 loss by the scale in float16: a loss above 2 times the "
+        "default scale 32768 overflows to inf and every step is skipped; the result is float16",
+    ),
+    _m(
+        "r7_dot_check_below_one",
+        "finite.py",
+        'cpu_method = "dot" if scale_at_least_one else "elementwise"',
+        'cpu_method = "dot"',
+        (_T + "test_loss_scale_optimizer.py", _T + "test_loss_scale.py"),
+        "on CPU the finiteness check reads the SCALED gradients even when the scale is below "
+        "1: a scaled gradient that is finite but overflows once unscaled (FixedLossScale(0.5), "
+        "g = 2e38) is applied, putting inf into the parameters instead of skipping the step",
+    ),
+    # -- float8 ----------------------------------------------------------------------------
+    _m(
+        "r7_fp8_backward_formats_swapped",
+        "fp8.py",
+        "fmts = (E4M3, E5M2) if hits[0] else (E5M2, E4M3)",
+        "fmts = (E5M2, E4M3) if hits[0] else (E4M3, E5M2)",
+        (_T + "test_fp8.py", _T + "test_fp8_boundaries.py"),
+        "in rewrite(grad(f)) a gradient GEMM takes the shared forward operand in e5m2 and the "
+        "cotangent in e4m3 (the formats swapped): explain shows e5m2 x e4m3 for the weight "
+        "side and the gradients lose mantissa/range",
+    ),
+    # -- attention -------------------------------------------------------------------------
+    _m(
+        "r7_attention_masks_or",
+        "attention_emit.py",
+        "mask = keep if mask is None else mask & keep",
+        "mask = keep if mask is None else mask | keep",
+        (_T + "test_fused_attention.py", _T + "test_mask_values.py"),
+        "a fused attention with two masks (padding and causal as separate where's) keeps a key "
+        "when EITHER mask keeps it: future or padded keys are attended to",
+    ),
+    # -- explain / compare -----------------------------------------------------------------
+    _m(
+        "r7_matmul_flops_not_doubled",
+        "explain.py",
+        "return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)",
+        "return math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)",
+        (_T + "test_explain.py", _T + "test_explain_oracles.py", _T + "test_explain_view.py"),
+        "explain counts a dot_general's FLOPs as M*N*K (multiply-adds) instead of 2*M*N*K: the "
+        "FLOPs column and totals halve, and a program mixing convs and matmuls gets the wrong "
+        "half-precision share",
+    ),
+    _m(
+        "r7_compare_nan_counts_reference",
+        "eager.py",
+        "nan = int(np.count_nonzero(np.isnan(h) & ~np.isnan(r)))",
+        "nan = int(np.count_nonzero(np.isnan(h)))",
+        (_T + "test_compare.py", _T + "test_compare_oracle.py"),
+        "compare counts as NaN produced by half precision a NaN the float32 run had too: the "
+        "equation is reported bad (first NaN) though half precision changed nothing",
+    ),
+    # -- arguments -------------------------------------------------------------------------
+    _m(
+        "r7_static_argnums_not_named",
+        "arguments.py",
+        "all_names = set(names) | {s for s, i in by_name.items() if i in all_nums}",
+        "all_names = set(names)",
+        (_T + "test_arguments.py", _T + "test_rewrite.py"),
+        "static_argnums is not completed with the parameters' names: rewrite(f, "
+        "static_argnums=1) called as f(x, n=3) traces n (an error where f uses it in Python, "
+        "or a retrace) instead of treating it as static, as jax.jit does",
+    ),
+)
