@@ -5,7 +5,9 @@ arguments), written by a helper who had read the library (``jmp_rewrite/``), ``d
 duplicates) of ``tools/mutants_round6.py``, but NOT ``tests/`` nor the entries of
 ``tools/mutant_list.py`` nor ``runs/mutants_round6.md`` (independence record: this file as
 first committed, before any test was read; each mutant's ``tests`` guessed from the test
-files' names in ``ls tests/`` only).
+files' names in ``ls tests/`` only). Scored in ``runs/mutants_round7.md`` (``--broad -j 2``):
+14 of 15 caught, no equivalents; each caught mutant names the test that caught it, and the
+survivor (``r7_compare_nan_counts_reference``) why it is a real gap.
 
 Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round7 --broad -j 2``.
 """
@@ -25,6 +27,8 @@ def _m(name, file, original, replacement, tests, bug, survives=""):
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- painting --------------------------------------------------------------------------
+    # caught by tests/test_dtype_decisions.py::
+    #   test_a_cast_read_by_a_half_matmul_and_a_float32_op_stays_float32[float16]
     _m(
         "r7_cast_allow_if_any_output_allow",
         "paint.py",
@@ -35,6 +39,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "by a half matmul AND a float32 op casts to half, so the float32 reader gets a rounded "
         "copy (positions.astype(f32) beyond 256 rounded in bfloat16) and explain paints it half",
     ),
+    # caught by tests/test_goldens.py::test_painting_goldens[tf_patterns]
     _m(
         "r7_unit_deny_pieces_half",
         "paint_additions.py",
@@ -44,6 +49,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a fused unit painted half (jit:log_softmax) paints its deny pieces half too: the exp "
         "and reduce_sum inside a half log_softmax run in half instead of float32",
     ),
+    # caught by tests/test_mask_values.py::test_every_spelling[broadcast-finfo16-int-float16]
     _m(
         "r7_fill_at_half_max_not_big",
         "origins.py",
@@ -55,6 +61,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "and not others, a fully masked row is no longer uniform (or NaN)",
     ),
     # -- emission --------------------------------------------------------------------------
+    # caught by tests/test_invariants.py::
+    #   test_item3_scatter_add_accumulates_in_float32[scatter_add-bfloat16]
     _m(
         "r7_scatter_add_sums_in_half",
         "emit.py",
@@ -65,6 +73,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "embedding gradient (the row of a token seen thousands of times) is summed in bfloat16 "
         "and stalls",
     ),
+    # caught by tests/test_mask_values.py::test_every_boundary[plain-False-float16]
     _m(
         "r7_row_max_flag_any",
         "masking.py",
@@ -75,6 +84,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "in a partially masked row, x - max(x) pins the unmasked elements at +65504 in float16 "
         "and the softmax becomes inf/NaN",
     ),
+    # caught by tests/test_mask_values.py::
+    #   test_the_gradient_through_a_clamped_fill_is_the_fills[grad_of_rewrite]
     _m(
         "r7_tangent_reads_saturated",
         "tangents.py",
@@ -86,6 +97,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "overflows honestly for loss scaling to see)",
     ),
     # -- loss scaling ----------------------------------------------------------------------
+    # caught by tests/test_loss_scale.py::test_min_loss_scale_below_one_and_custom_multiplier
     _m(
         "r7_backoff_by_two",
         "loss_scale.py",
@@ -95,6 +107,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "the back-off on a non-finite step divides by 2 whatever the multiplier: "
         "DynamicLossScale(multiplier=4) grows by 4 but shrinks by 2",
     ),
+    # caught by tests/test_loss_scale_optimizer.py::
+    #   test_complex_parameters_keep_their_imaginary_part
     _m(
         "r7_complex_params_to_float32",
         "loss_scale_optimizer.py",
@@ -104,6 +118,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "complex parameters are cast to float32 for the inner optimizer (init and update): "
         "their imaginary part is dropped, Adam's moments of a complex parameter become real",
     ),
+    # caught by tests/test_loss_scale_optimizer.py::test_scale_loss_is_float32_and_exact
     _m(
         "r7_scale_loss_in_loss_dtype",
         "loss_scale_state.py",
@@ -113,6 +128,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "scale_loss multiplies a float16 loss by the scale in float16: a loss above 2 times the "
         "default scale 32768 overflows to inf and every step is skipped; the result is float16",
     ),
+    # caught by tests/test_loss_scale_optimizer.py::
+    #   test_scale_below_one_catches_overflow_of_the_unscaled_gradients
     _m(
         "r7_dot_check_below_one",
         "finite.py",
@@ -124,6 +141,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "g = 2e38) is applied, putting inf into the parameters instead of skipping the step",
     ),
     # -- float8 ----------------------------------------------------------------------------
+    # caught by tests/test_fp8.py::test_both_orders_quantize_the_same_gemms
     _m(
         "r7_fp8_backward_formats_swapped",
         "fp8.py",
@@ -135,6 +153,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "side and the gradients lose mantissa/range",
     ),
     # -- attention -------------------------------------------------------------------------
+    # caught by tests/test_fused_attention.py::
+    #   test_models_fuse_forward_and_backward_within_hand_written_error[nnx]
     _m(
         "r7_attention_masks_or",
         "attention_emit.py",
@@ -145,6 +165,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "when EITHER mask keeps it: future or padded keys are attended to",
     ),
     # -- explain / compare -----------------------------------------------------------------
+    # caught by tests/test_explain.py::test_totals
     _m(
         "r7_matmul_flops_not_doubled",
         "explain.py",
@@ -155,6 +176,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "FLOPs column and totals halve, and a program mixing convs and matmuls gets the wrong "
         "half-precision share",
     ),
+    # SURVIVED (a real gap, not equivalent): with f(w, x) = tanh(sqrt(x @ w)) @ w, float16,
+    #   compare reports sqrt nan=15, rel_error inf, exceeds, and suggests 'move sqrt to deny:
+    #   produces NaN in float16 (15 values not NaN in float32)' (unmutated: nan=0, no
+    #   suggestion); no test has a program whose float32 run already holds a NaN
     _m(
         "r7_compare_nan_counts_reference",
         "eager.py",
@@ -165,6 +190,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "equation is reported bad (first NaN) though half precision changed nothing",
     ),
     # -- arguments -------------------------------------------------------------------------
+    # caught by tests/test_arguments.py::test_static_argument_names_map_through_the_signature
     _m(
         "r7_static_argnums_not_named",
         "arguments.py",
