@@ -566,32 +566,57 @@ def test_cond_outputs_in_both_orders(dtype, order, kind):
     np.testing.assert_allclose(g, ref_g, rtol=2e-2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 28 item 2 (masks branch): a float32 big value handed out of a cond is "
-    "saturated wherever beyond the range when read in half outside it: the per-element "
-    "flag of which elements the fill put out of range does not cross the boundary",
-)
-def test_a_cond_output_constant_in_one_branch_only_still_overflows():
+def _fill_or_exp(x, w, flag):
+    y = lax.cond(flag, jnp.exp, lambda x: jnp.full_like(x, 1e30), x)
+    return y @ w, y  # y float32 (an output), cast for the half matmul
+
+
+def _overflow_across_segments(x, w, m, flag):
+    s = jnp.exp(x) + (1 - m) * -1e9  # big where m = 0; exp(12) overflows float16 where m = 1
+    z = lax.cond(flag, jnp.sin, jnp.cos, x)  # control flow: compare runs s and s @ w apart
+    return s @ w + z.sum()
+
+
+_WRAPS = {
+    "eager": lambda f: jr.rewrite(f, dtype=jnp.float16),
+    "jit(rewrite)": lambda f: jax.jit(jr.rewrite(f, dtype=jnp.float16)),
+    "rewrite(jit)": lambda f: jr.rewrite(jax.jit(f), dtype=jnp.float16),
+}
+
+
+@pytest.mark.parametrize("wrap", _WRAPS)
+def test_a_cond_output_constant_in_one_branch_only_still_overflows(wrap):
     """A ``cond`` output constant in one branch and computed in the other is no constant: the
     computed branch's float32 value overflows on its way into a half matmul, as it would by
-    hand, where the constant would be clamped. (Float16 only: bfloat16's range is float32's
-    to within 0.4%.)"""
-
-    def f(x, w, flag):
-        y = lax.cond(flag, jnp.exp, lambda x: jnp.full_like(x, 1e30), x)
-        return y @ w, y  # y float32 (an output), cast for the half matmul
-
+    hand, where the constant is pinned (the branches hand out which elements the fill put
+    out of range). (Float16 only: bfloat16's range is float32's to within 0.4%.)"""
     x, w = jnp.full((4, 4), 12.0), jnp.full((4, 4), 0.25)
-    rewritten = jr.rewrite(f, dtype=jnp.float16)
+    rewritten = _WRAPS[wrap](_fill_or_exp)
     mm, y = rewritten(x, w, True)
     assert np.isposinf(np.asarray(mm)).all()  # exp(12) > 65504
     np.testing.assert_array_equal(y, jnp.exp(x))
-    assert np.isfinite(np.asarray(f(x, w, True)[0])).all()
+    assert np.isfinite(np.asarray(_fill_or_exp(x, w, True)[0])).all()
+    mm, y = rewritten(x, w, False)  # the fill's branch: pinned, as a constant is
+    np.testing.assert_allclose(mm, 65504.0)
+    np.testing.assert_array_equal(y, np.float32(1e30))
     both = lambda x, w, flag: (
         lax.cond(flag, lambda x: jnp.full_like(x, 1e30), jnp.zeros_like, x) @ w
     )  # noqa: E731
-    np.testing.assert_allclose(jr.rewrite(both, dtype=jnp.float16)(x, w, True), 65504.0)
+    np.testing.assert_allclose(_WRAPS[wrap](both)(x, w, True), 65504.0)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_compare_overflows_where_the_rewrite_does_across_control_flow(flag):
+    """``compare`` runs the program in compiled segments split at control flow; a big
+    value's flags cross the segments' and the branches' boundaries with it, so compare counts
+    the overflows the rewrite has (it counted none: the value was pinned after the cond)."""
+    x, w = jnp.full((4, 4), 12.0), jnp.full((4, 4), 0.25)
+    m = jnp.array([[1.0] * 4, [0.0] * 4, [1.0] * 4, [0.0] * 4])
+    for f, args in ((_fill_or_exp, (x, w, flag)), (_overflow_across_segments, (x, w, m, flag))):
+        out = np.asarray(jax.tree.leaves(jr.rewrite(f, dtype=jnp.float16)(*args))[0])
+        compared = jr.compare(f, *args, dtype=jnp.float16).outputs[0]
+        assert compared.overflow == np.isinf(out).sum(), f.__name__
+    assert compared.overflow == 8  # rows with m = 1: exp(12) in float16
 
 
 def _layers_scanned(ws, x, am):

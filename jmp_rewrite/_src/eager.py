@@ -121,7 +121,9 @@ class Recorder(Staged, Hooks):
         self.pending: list[tuple[int, list[Any]]] | None = None
         self._plans: dict[Any, list[Any]] = {}
         self._segments: dict[Any, Any] = {}
-        self._segment_nodes: dict[tuple[int, int], list[int]] = {}
+        self._segment_nodes: dict[Any, list[int]] = {}
+        #: per segment: the outputs whose flags (``masking``) it hands out
+        self._segment_flagged: dict[Any, list[int]] = {}
 
     def emitter(self, graph: Graph, painting: Painting, dtype: Any, options: dict) -> Emitter:
         return Emitter(graph, painting, dtype, options, hooks=self, control=self)
@@ -165,31 +167,48 @@ class Recorder(Staged, Hooks):
                 continue
             start, _end, in_vars, out_vars = step
             invals = [env[v] for v in in_vars]
-            key = (id(scope), start)
-            ckey = (key, tuple(jc.abstract_key(jax.typeof(v)) for v in invals))
+            # big values' flags (``masking``) cross the segment's boundary with them, so the
+            # comparison pins and overflows where the rewrite does
+            known = tuple(k for k, v in enumerate(invals) if em.flags.known(v))
+            in_flags = [em.flags.of(invals[k]) for k in known]
+            key = (id(scope), start, known)
+            args = [*invals, *in_flags]
+            ckey = (key, tuple(jc.abstract_key(jax.typeof(v)) for v in args))
             fun = self._segments.get(ckey)
             if fun is None:
-                lowered = jax.jit(self._segment_fun(em, scope, step, key)).lower(*invals)
+                lowered = jax.jit(self._segment_fun(em, scope, step, key)).lower(*args)
                 fun = self._segments[ckey] = _compile(lowered)
-            outs, recorded = fun(*invals)
+            outs, out_flags, recorded = fun(*args)
             _write(env, out_vars, outs)
+            for k, flag in zip(self._segment_flagged[key], out_flags, strict=True):
+                em.flags.adopt(outs[k], flag)
             for node, values in zip(self._segment_nodes[key], recorded, strict=True):
                 self.record(node, values)
 
     def _segment_fun(self, em: Emitter, scope: ScopeRec, step: tuple[Any, ...], key: Any):
         start, end, in_vars, out_vars = step
+        known = key[2]
 
-        def segment(*invals: Any) -> tuple[list[Any], list[list[Any]]]:
+        def segment(*args: Any) -> tuple[list[Any], list[Any], list[list[Any]]]:
+            invals = args[: len(in_vars)]
             env = dict(zip(in_vars, invals, strict=True))
             self.pending = []
             try:
                 with em.own_flags():  # a segment is a trace of its own
+                    for k, flag in zip(known, args[len(in_vars) :], strict=True):
+                        em.flags.adopt(invals[k], flag)
                     em.execute(scope, env, em.reader(env), start, end)
+                    outs = [env[v] for v in out_vars]
+                    flagged = [k for k, v in enumerate(outs) if em.flags.known(v)]
+                    out_flags = [
+                        jnp.broadcast_to(em.flags.of(outs[k]), jnp.shape(outs[k])) for k in flagged
+                    ]
                 pending = self.pending
             finally:
                 self.pending = None
             self._segment_nodes[key] = [node for node, _ in pending]
-            return [env[v] for v in out_vars], [values for _, values in pending]
+            self._segment_flagged[key] = flagged
+            return outs, out_flags, [values for _, values in pending]
 
         return segment
 
@@ -253,9 +272,14 @@ class Recorder(Staged, Hooks):
         branches = rec.layout.body("cases")
         ops = rec.layout.split(invals)
         index = int(np.clip(int(np.asarray(ops["index"][0])), 0, len(branches) - 1))
-        outs = em.run(rec.subs["cases"][index], jc.consts_of(branches[index]), ops["args"])
+        flagged = em.big_outputs(rec)
+        outs = em.run(
+            rec.subs["cases"][index], jc.consts_of(branches[index]), ops["args"], None, flagged
+        )
         dtypes = em.carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
-        outs = [cast(o, d) for o, d in zip(outs, dtypes, strict=True)]
+        n = len(eqn.outvars)
+        outs = [cast(o, d) for o, d in zip(outs[:n], dtypes, strict=True)] + outs[n:]
+        outs = em.adopt_flags(outs, flagged)
         self.record_nodes(rec.carries, outs)
         return outs
 

@@ -123,11 +123,13 @@ class Staged:
         layout = rec.layout
         out_dtypes = em.carry_dtypes(rec.carries, [v.aval for v in eqn.outvars])
         args = layout.split(invals)["args"]
+        flagged = em.big_outputs(rec)
         branches = tuple(
-            em.trace(scope, jc.consts_of(b), em.avals(jc.open_jaxpr(b), args), out_dtypes)
+            em.trace(scope, jc.consts_of(b), em.avals(jc.open_jaxpr(b), args), out_dtypes, flagged)
             for b, scope in zip(layout.body("cases"), rec.subs["cases"], strict=True)
         )
-        return ho.rebind(eqn, invals, {"cases": branches})
+        outs = ho.rebind(eqn, invals, {"cases": branches})
+        return em.adopt_flags(outs, flagged)
 
     def while_loop(self, em: Emitter, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         layout = rec.layout
@@ -228,23 +230,40 @@ class Emitter:
         consts: Sequence[Any],
         args: Sequence[Any],
         out_dtypes: Sequence[Any] | None = None,
+        flagged: Sequence[int] = (),
     ) -> list[Any]:
         """Evaluates one jaxpr instance on ``consts + args`` in the current trace.
 
         With ``out_dtypes``, outputs are cast to them (through the same cast cache as the
-        equations, so a value cast for a consumer is not cast again for the output).
+        equations, so a value cast for a consumer is not cast again for the output). With
+        ``flagged`` (output positions), the flags of those outputs follow the outputs
+        (``Flags.of_output``: a ``cond`` branch hands its outputs' flags out).
         """
         jaxpr = scope.jaxpr
         env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
         read = self.reader(env)
         self.controller().execute(self, scope, env, read)
         self.where = f"{scope.path}<outputs>"
+        big = self.painting.big
+        flags = [self.flags.of_output(scope, env, jaxpr.outvars[i], big) for i in flagged]
         if out_dtypes is None:
-            return [read(a) for a in jaxpr.outvars]
+            return [read(a) for a in jaxpr.outvars] + flags
         return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
             read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))
             for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)
-        ]
+        ] + flags
+
+    def big_outputs(self, rec: EqnRec) -> list[int]:
+        """The positions of a ``cond``'s big float outputs (``Origin.big``)."""
+        return [i for i, n in enumerate(rec.carries) if n is not None and n in self.painting.big]
+
+    def adopt_flags(self, outs: list[Any], flagged: Sequence[int]) -> list[Any]:
+        """``outs`` less the flags :meth:`run` appended for ``flagged``, which the outputs
+        they belong to now hold."""
+        n = len(outs) - len(flagged)
+        for i, flag in zip(flagged, outs[n:], strict=True):
+            self.flags.adopt(outs[i], flag)
+        return outs[:n]
 
     def controller(self) -> Staged:
         """The control in force: bodies traced for re-binding are always staged."""
@@ -412,11 +431,13 @@ class Emitter:
         consts: Sequence[Any],
         in_avals: Sequence[Any],
         out_dtypes: Sequence[Any] | None = None,
+        flagged: Sequence[int] = (),
     ) -> Any:
-        """A closed jaxpr for ``scope`` at ``in_avals``; outputs cast to ``out_dtypes``."""
+        """A closed jaxpr for ``scope`` at ``in_avals``; outputs cast to ``out_dtypes``, then
+        the flags of the ``flagged`` outputs (see :meth:`run`)."""
 
         def fun(*args: Any) -> list[Any]:
-            return self.run_traced(scope, consts, args, out_dtypes=out_dtypes)
+            return self.run_traced(scope, consts, args, out_dtypes=out_dtypes, flagged=flagged)
 
         def make() -> Any:
             with self.staging():
@@ -428,6 +449,7 @@ class Emitter:
             id(scope),
             tuple(jc.abstract_key(a) for a in in_avals),
             None if out_dtypes is None else tuple(str(d) for d in out_dtypes),
+            tuple(flagged),
         )
         if key not in self.trace_cache:
             self.trace_cache[key] = make()

@@ -17,8 +17,10 @@ or a maximum the chosen operand's, a product (or quotient, a negation, a cast) t
 its result where that is still beyond the range (``(1 - m) * -1e9`` is 0, and no longer
 flagged, where ``m = 1``; ``(s - 65504) / 8`` is back in range), data movement moves it. A
 value whose flag was not handed on (read inside another body than the one that computed it:
-a ``cond`` branch, a loop body, a call) is flagged where it is beyond the range (for a half
-value: at its largest finite value, the saturated elements).
+a loop body, a call) is flagged where it is beyond the range (for a half value: at its
+largest finite value, the saturated elements). A ``cond`` hands its big outputs' flags out of
+its branches (``Flags.of_output``): an output that is a fill in one branch and ``exp(x)``
+in the other is pinned only where the fill was taken.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.higher_order import bind
 
@@ -78,6 +81,29 @@ class Flags:
     def known(self, value: Any) -> bool:
         """Whether ``value`` is a big equation's result (its flag handed on)."""
         return id(value) in self._lazy or id(value) in self._done
+
+    def adopt(self, value: Any, flag: Any) -> None:
+        """``value`` holds ``flag`` (handed out of the body that computed it)."""
+        self._done[id(value)] = (value, flag)
+
+    def of_output(self, scope: Any, env: dict[Any, Any], atom: Any, big: Any) -> Any:
+        """The flag of a body's output ``atom`` (``env`` its values, ``big`` the painting's big
+        nodes), to hand out of the body with it: the one its equation handed on; none (zeros)
+        where an equation that keeps no constant's magnitude computed it (``exp(x)`` in one
+        branch, a fill in the other: the computed branch overflows honestly); else wherever
+        it is beyond the range (a value from outside the body: its flag did not come in)."""
+        if jc.is_literal(atom):
+            return jnp.broadcast_to(self.beyond(jc.literal_value(atom)), atom.aval.shape)
+        val = env[atom]
+        if self.known(val):
+            return jnp.broadcast_to(self.of(val), jnp.shape(val))
+        rec = next(
+            (r for e, r in zip(scope.jaxpr.eqns, scope.eqns, strict=True) if atom in e.outvars),
+            None,
+        )
+        if rec is not None and rec.kind == "leaf" and rec.node not in big:
+            return jnp.zeros(jnp.shape(val), np.int8)
+        return self.beyond(val)
 
     def of(self, value: Any) -> Any:
         """``value``'s flag: the one its equation handed on, else :meth:`beyond`."""
