@@ -26,7 +26,10 @@ def _load(name: str):
     return module
 
 
-MUTANTS = _load("mutant_list").MUTANTS + _load("mutants_round6").MUTANTS  # curated + planted
+# curated + the planted rounds
+MUTANTS = (
+    _load("mutant_list").MUTANTS + _load("mutants_round6").MUTANTS + _load("mutants_round7").MUTANTS
+)
 
 
 def _test_names(file: str) -> set[str]:

@@ -301,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     listed = (  # by default the curated list and the planted rounds
-        MUTANTS + importlib.import_module("tools.mutants_round6").MUTANTS
+        MUTANTS
+        + importlib.import_module("tools.mutants_round6").MUTANTS
+        + importlib.import_module("tools.mutants_round7").MUTANTS
         if args.list_module == "tools.mutant_list"
         else importlib.import_module(args.list_module).MUTANTS
     )
