@@ -46,6 +46,7 @@ def arr(*shape, scale=0.3):
 
 X, W1, W2 = arr(8, 16), arr(16, 16), arr(16, 16)
 
+
 # ------------------------------------------------------------------------------------------
 # Family 1: matmul precisions and dot algorithms
 # ------------------------------------------------------------------------------------------
@@ -281,7 +282,9 @@ def test_the_last_weight_gemm_in_a_scan_body_runs_in_float8():
         ("scan/body/dot_general", "e4m3 x e4m3", ""),
     ]
     got, want = jmp_rewrite.rewrite(_layers, dtype=BF16, fp8=rules)(*args), _layers(*args)
-    assert np.linalg.norm(got - want) < 0.1 * np.linalg.norm(want)  # float8: ~2^-4 per GEMM
+    # e4m3 rounds each operand to 2^-4: measured 0.077-0.107 of the norm over 31 draws of
+    # these shapes (bfloat16: 0.006-0.008); a wrong scale or format is off by far more
+    assert np.linalg.norm(got - want) < 0.15 * np.linalg.norm(want)
 
 
 def test_a_matmul_both_included_and_excluded_stays_bfloat16():
