@@ -16,15 +16,7 @@ Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round7 --br
 
 from __future__ import annotations
 
-from tools.mutant_list import Mutant
-
-_SRC = "jmp_rewrite/_src/"
-
-
-def _m(name, file, original, replacement, tests, bug, survives=""):
-    tests = (tests,) if isinstance(tests, str) else tuple(tests)
-    return Mutant(name, _SRC + file, original, replacement, tests, bug, survives)
-
+from tools.mutant_list import Mutant, _m  # _m: the list's own builder (a file under _src)
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- painting --------------------------------------------------------------------------
