@@ -121,9 +121,9 @@ class Recorder(Staged, Hooks):
         self.pending: list[tuple[int, list[Any]]] | None = None
         self._plans: dict[Any, list[Any]] = {}
         self._segments: dict[Any, Any] = {}
-        self._segment_nodes: dict[Any, list[int]] = {}
-        #: per segment: the outputs whose flags (``masking``) it hands out
-        self._segment_flagged: dict[Any, list[int]] = {}
+        #: per segment: the nodes it records, and the outputs whose flags (``masking``) it
+        #: hands out (known once it is traced)
+        self._segment_outs: dict[Any, tuple[list[int], list[int]]] = {}
 
     def emitter(self, graph: Graph, painting: Painting, dtype: Any, options: dict) -> Emitter:
         return Emitter(graph, painting, dtype, options, hooks=self, control=self)
@@ -176,18 +176,20 @@ class Recorder(Staged, Hooks):
             ckey = (key, tuple(jc.abstract_key(jax.typeof(v)) for v in args))
             fun = self._segments.get(ckey)
             if fun is None:
-                lowered = jax.jit(self._segment_fun(em, scope, step, key)).lower(*args)
+                lowered = jax.jit(self._segment_fun(em, scope, step, key, known)).lower(*args)
                 fun = self._segments[ckey] = _compile(lowered)
             outs, out_flags, recorded = fun(*args)
             _write(env, out_vars, outs)
-            for k, flag in zip(self._segment_flagged[key], out_flags, strict=True):
+            nodes, flagged = self._segment_outs[key]
+            for k, flag in zip(flagged, out_flags, strict=True):
                 em.flags.adopt(outs[k], flag)
-            for node, values in zip(self._segment_nodes[key], recorded, strict=True):
+            for node, values in zip(nodes, recorded, strict=True):
                 self.record(node, values)
 
-    def _segment_fun(self, em: Emitter, scope: ScopeRec, step: tuple[Any, ...], key: Any):
+    def _segment_fun(
+        self, em: Emitter, scope: ScopeRec, step: tuple[Any, ...], key: Any, known: tuple[int, ...]
+    ):
         start, end, in_vars, out_vars = step
-        known = key[2]
 
         def segment(*args: Any) -> tuple[list[Any], list[Any], list[list[Any]]]:
             invals = args[: len(in_vars)]
@@ -206,8 +208,7 @@ class Recorder(Staged, Hooks):
                 pending = self.pending
             finally:
                 self.pending = None
-            self._segment_nodes[key] = [node for node, _ in pending]
-            self._segment_flagged[key] = flagged
+            self._segment_outs[key] = ([node for node, _ in pending], flagged)
             return outs, out_flags, [values for _, values in pending]
 
         return segment
