@@ -726,3 +726,30 @@ def test_an_input_handed_on_by_an_untaken_branch_in_both_orders(dtype, order, ki
     )
     np.testing.assert_array_equal(y, S0)
     np.testing.assert_allclose(g, vg(w, s)[1], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("wrap", _WRAPS)
+def test_a_switch_hands_out_each_branchs_flags(wrap):
+    """``lax.switch`` over a fill, a computed value and a mask bias computed outside and
+    handed through: each branch's elements are pinned only where a constant put them out of
+    range (the fill; the bias where ``m = 0``), and a computed overflow stays ``inf``."""
+
+    def f(i, x, w, m):
+        bias = (1.0 - m) * -1e9
+        y = lax.switch(
+            i,
+            (lambda x, b: jnp.full_like(x, 1e30), lambda x, b: jnp.exp(x), lambda x, b: b),
+            x,
+            bias,
+        )
+        return y @ w
+
+    x, w = jnp.full((4, 4), 12.0), jnp.full((4, 4), 0.25)
+    m = jnp.array([[1.0] * 4, [0.0] * 4, [1.0] * 4, [0.0] * 4])
+    g = _WRAPS[wrap](f)
+    np.testing.assert_allclose(g(0, x, w, m), 65504.0)  # the fill: pinned
+    assert np.isposinf(np.asarray(g(1, x, w, m))).all()  # exp(12): overflows
+    got = np.asarray(g(2, x, w, m))  # the bias: -65504 where masked, 0 elsewhere
+    np.testing.assert_allclose(got[[1, 3]], -65504.0)
+    np.testing.assert_array_equal(got[[0, 2]], 0.0)
+    assert np.isfinite(np.asarray(f(1, x, w, m))).all()  # float32 has no overflow

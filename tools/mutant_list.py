@@ -1629,6 +1629,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "branch: exp(12) read into a float16 matmul is 65504, not the honest inf",
     ),
     _m(
+        "emit.cond_boundary_cast_unflagged",
+        "emit.py",
+        "                self.flags.adopt(env[jaxpr.outvars[i]], flag)",
+        "                pass",
+        "tests/test_round4_numerics.py::test_a_switch_hands_out_each_branchs_flags[eager]",
+        "a mask bias handed through a half cond output is cast at the branch's end unpinned: "
+        "-1e9 becomes -inf in float16 where the same bias without the cond is -65504",
+    ),
+    _m(
         "eager.segment_flags_dropped",
         "eager.py",
         "                em.flags.adopt(outs[k], flag)",

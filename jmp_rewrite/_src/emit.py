@@ -246,6 +246,9 @@ class Emitter:
         self.where = f"{scope.path}<outputs>"
         big = self.painting.big
         flags = [self.flags.of_output(scope, env, jaxpr.outvars[i], big) for i in flagged]
+        for i, flag in zip(flagged, flags, strict=True):  # cast at the boundary by them too
+            if not jc.is_literal(jaxpr.outvars[i]):
+                self.flags.adopt(env[jaxpr.outvars[i]], flag)
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars] + flags
         return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
