@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,3 +61,86 @@ def casts(jaxpr: Any) -> list[Any]:
 
 def emitted(fun: Any, *args: Any, **kwargs: Any) -> Any:
     return jax.make_jaxpr(fun)(*args, **kwargs)
+
+
+def compiled_loop_bodies(fun: Any, *args: Any) -> str:
+    """The optimised HLO that XLA runs on every trip of ``jit(fun)``'s loops: each
+    ``while``'s body and condition and every computation they call (fusions, nested loops).
+    What XLA hoisted out of a loop (a loop-invariant cast) is not in it."""
+    text = jax.jit(fun).lower(*args).compile().as_text()
+    comps: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            comps[name] = ""
+        elif name is not None:
+            comps[name] += line + "\n"
+    called = lambda body: re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", body)  # noqa: E731
+    todo = [
+        n for body in comps.values() for n in re.findall(r"(?:body|condition)=%?([\w.\-]+)", body)
+    ]
+    seen: set[str] = set()
+    while todo:
+        n = todo.pop()
+        if n not in seen and n in comps:
+            seen.add(n)
+            todo += called(comps[n])
+    return "".join(comps[n] for n in sorted(seen))
+
+
+#: Equations a value that saturates on its way into half passes before its cast (a clamped
+#: constant, a pinned big value): those are cast before a body, where their flags are known.
+_SATURATING = ("clamp", "max", "min", "select_n", "pjit", "jit")
+
+
+def _loops_inside(eqn: Any) -> bool:
+    return any(
+        e.primitive.name in ("scan", "while", "shard_map")
+        for b in sub_jaxprs(eqn)
+        for e in all_eqns(b)
+    )
+
+
+def half_casts_handed_into_bodies(jaxpr: Any) -> list[str]:
+    """Where a body is handed a float32 value already cast into half: an operand of a
+    higher-order equation, outside its per-trip groups (carries, scanned slices), that its
+    own scope cast from a computed or input float32 value. Under ``grad`` its cotangent would
+    be summed in half (a loop's over every trip). Only values with a float path from the
+    scope's inputs count (the library's own pinned fills derive from integer flags), and a
+    ``custom_jvp`` only with a loop inside (the library wraps half leaves in its own,
+    operands in half by design: a primal in half, its tangents in float32). Empty where the
+    rule holds."""
+    from jmp_rewrite._src import _jax_compat as jc
+    from jmp_rewrite._src import higher_order as ho
+
+    found = []
+    for scope in scopes(jaxpr):
+        made = {v: e for e in scope.eqns for v in e.outvars}
+        # values with a float path from the scope's inputs (a pinned flag's fill is not one)
+        derived = {v for v in scope.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        for e in scope.eqns:
+            if any(not jc.is_literal(a) and a in derived for a in e.invars):
+                derived.update(v for v in e.outvars if hasattr(v.aval, "dtype"))
+        for eqn in scope.eqns:
+            layout = ho.describe(eqn)
+            if layout is None or (layout.kind == ho.CUSTOM_JVP and not _loops_inside(eqn)):
+                continue  # the library's own leaf wrappers (float32 tangents, pinned fills)
+            per_trip = set(ho.per_trip_positions(layout))
+            for i, atom in enumerate(eqn.invars):
+                cast = None if i in per_trip or jc.is_literal(atom) else made.get(atom)
+                if cast is None or cast.primitive.name != "convert_element_type":
+                    continue
+                src = cast.invars[0]
+                source = made.get(src)
+                if (
+                    np.dtype(cast.outvars[0].aval.dtype) in HALF
+                    and np.dtype(src.aval.dtype) == np.float32
+                    and src in derived
+                    and not (source is not None and source.primitive.name in _SATURATING)
+                ):
+                    found.append(
+                        f"{eqn.primitive.name} operand {i}: {cast.outvars[0].aval.str_short()}"
+                    )
+    return found

@@ -49,11 +49,12 @@ def test_totals():
     assert first.flops == 2 * 4 * 16 * 8
     body = [e for e in r.equations if e.path == "scan/body/dot_general"][0]
     assert body.flops == 3 * 2 * 4 * 16 * 16  # times the scan length
-    # casts: x and W1 before the first matmul, W2 once before the scan, the square's input
+    # casts: x and W1 before the first matmul, W2 at its reader in the scan body (a loop
+    # invariant XLA hoists out of the loop), the square's input
     assert [(c.where, c.from_dtype, c.to_dtype) for c in r.casts] == [
         ("dot_general", "float32", "float16"),
         ("dot_general", "float32", "float16"),
-        ("scan", "float32", "float16"),
+        ("scan/body/dot_general", "float32", "float16"),
         ("integer_pow", "float16", "float32"),
     ]
     per = r.per_primitive()

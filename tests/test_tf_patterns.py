@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_walk import compiled_loop_bodies
 
 import jmp_rewrite
 
@@ -1040,15 +1041,24 @@ def test_probe_w_loop_body_matmul_tanh(kind, version):
         return _loop(kind, lambda c: jnp.tanh(c @ w), x)
 
     expected = rows("<carry>:A", "dot_general:A", "tanh:A")
-    # x at loop entry, w (a loop invariant: cast once, before the loop, like a Const feeding
-    # TF's Enter) and the result back to float32. Nothing is cast inside the loop.
+    # x at loop entry, w (a loop invariant, painted half like a Const feeding TF's Enter)
+    # and the result back to float32. w enters the loop in float32 and is cast at its
+    # reader, so its cotangent sums in float32 under grad; XLA hoists that cast: the
+    # compiled loop casts nothing of w's shape, once before the loop as TF does.
     check(w_probe, (X, W), expected, casts=3, infer_follows_allow=version)
     (loop,) = [
         e
         for e in emitted(w_probe, X, W, infer_follows_allow=version).eqns
         if e.primitive.name in ("while", "scan")
     ]
-    assert sum(count_casts(sub) for sub in _sub_jaxprs(loop)) == 0
+    assert sorted(str(v.aval.dtype) for v in loop.invars if v.aval.shape == W.shape) == [
+        "float16",
+        "float32",
+    ]
+    assert sum(count_casts(sub) for sub in _sub_jaxprs(loop)) == 1
+    rewritten = jmp_rewrite.rewrite(w_probe, dtype=F16, infer_follows_allow=version)
+    body = compiled_loop_bodies(rewritten, X, W).splitlines()
+    assert not [line for line in body if " convert(" in line and "convert_element_type" in line]
 
 
 @pytest.mark.parametrize("name", ["B", "B2", "B4", "X"])

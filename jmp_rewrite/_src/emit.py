@@ -323,10 +323,33 @@ class Emitter:
             ]
         else:
             wanted = [None] * len(eqn.invars)
+        if rec.kind != "unit":
+            wanted = self._handed_in(eqn, rec, wanted, read)
         return [
             read(a, d, _clamped(rec, i), self._big(rec, i))
             for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True))
         ]
+
+    def _handed_in(self, eqn: Any, rec: EqnRec, wanted: list[Any], read: Any) -> list[Any]:
+        """``wanted`` less the casts into half of float32 values a body reads as they are
+        on every trip (a loop's consts, a call's or branch's operands): those are cast
+        inside, at their readers. Cast outside, the value's cotangent would be a half
+        value, and JAX's transpose sums it in half: a ``scan``'s in a carry over every
+        trip (an RNN's weight gradient), a ``shard_map``'s across devices. XLA hoists the
+        loop-invariant cast out of the compiled loop, so the forward program is the same.
+        Carries and scanned slices keep their nodes' dtypes (a carry's type is fixed);
+        a value that saturates on its way into half (a clamped constant, a big value) is
+        cast outside, where its flags are known."""
+        per_trip = set(ho.per_trip_positions(rec.layout))
+        out = list(wanted)
+        for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True)):
+            if d is None or i in per_trip or not is_f32(a.aval.dtype) or is_f32(d):
+                continue
+            if _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a):
+                continue
+            if is_f32(jnp.result_type(read(a))):
+                out[i] = None  # handed in as it is; cast inside by its readers
+        return out
 
     def as_read(self, eqn: Any, rec: EqnRec, outs: Sequence[Any]) -> list[Any]:
         """An equation's float outputs as its half-precision readers see them: a half sum

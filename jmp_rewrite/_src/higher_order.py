@@ -149,6 +149,24 @@ class Layout:
         return jc.open_jaxpr(self.bodies[role])
 
 
+#: Operand groups a body takes a new slice or value of on each trip: a carry's type is fixed
+#: by the loop, a ``scan``'s ``xs`` are sliced per trip. Every other operand is read as it
+#: is on every trip (a loop's consts) or once (a call's, a branch's).
+PER_TRIP = ("carry", "xs")
+
+
+def per_trip_positions(layout: Layout | None) -> list[int]:
+    """The operand positions of :data:`PER_TRIP` groups (none for a call or ``cond``)."""
+    if layout is None:
+        return []
+    out, i = [], 0
+    for name, size in layout.groups:
+        if name in PER_TRIP:
+            out.extend(range(i, i + size))
+        i += size
+    return out
+
+
 def describe(eqn: Any) -> Layout | None:
     """The layout of a higher-order equation, or None for any other equation."""
     entry = PRIMITIVES.get(eqn.primitive.name)
