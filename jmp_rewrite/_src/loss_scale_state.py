@@ -8,6 +8,7 @@ containers, ``flax.nnx.Optimizer`` objects and other pytrees; :func:`scale_loss`
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_rewrite._src import nnx_support
 from jmp_rewrite._src.finite import LossScaleDebugState
 
 ArrayTree = Any
@@ -318,12 +320,20 @@ def value_and_grad(
             loss, aux = out if has_aux else (out, None)
             return scale_loss(loss, opt_state), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)(
-            *args, **kwargs
-        )
+        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):
+            grads_of = functools.partial(nnx_support.value_and_grad, scaled_fun, argnums)
+            (_, (loss, aux)), grads = grads_of(args, kwargs)
+        else:
+            grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+            (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _any_diff_state(argnums: Any) -> bool:
+    items = argnums if isinstance(argnums, Sequence) else (argnums,)
+    return any(nnx_support.is_diff_state(a) for a in items)
 
 
 def non_finite_leaves(opt_state: Any, tree: ArrayTree) -> list[tuple[str, str]]:
