@@ -255,3 +255,25 @@ def test_explain_paint_and_compare_leave_the_callers_objects_alone():
         np.testing.assert_array_equal(a, b)
     nnx.jit(jr.rewrite(ours, dtype=BF16))(model, optimizer, X, Y)
     assert float(jnp.abs(model.bn.mean[...]).max()) > 1e-2 and rng_count(model) == 1
+
+
+@pytest.mark.parametrize("wrap", ["rewrite(bf16)", "nnx.jit(rewrite(bf16))"])
+def test_rewrite_of_rngs_and_custom_variables_passed_directly(wrap):
+    """``nnx.Rngs`` and a user's own Variable as arguments of a rewritten function: their
+    new counts are on them after the call, as with nnx.jit, and each call draws anew."""
+
+    def draw(rngs, calls, w):
+        calls[...] = calls[...] + 1
+        return jnp.tanh(jax.random.normal(rngs.noise(), (4, 4)) @ w)
+
+    fn, ref_fn = WRAPS[wrap](draw), nnx.jit(draw)
+    rngs, calls = nnx.Rngs(noise=3), Counter(jnp.zeros([], jnp.int32))
+    ref_rngs, ref_calls = nnx.clone(rngs), nnx.clone(calls)
+    w = jnp.full((4, 4), 0.1)
+    first, second = fn(rngs, calls, w), fn(rngs, calls, w)
+    ref_first, ref_second = ref_fn(ref_rngs, ref_calls, w), ref_fn(ref_rngs, ref_calls, w)
+    assert int(rngs.noise.count[...]) == int(ref_rngs.noise.count[...]) == 2
+    assert int(calls[...]) == int(ref_calls[...]) == 2
+    assert bool(jnp.any(first != second))
+    np.testing.assert_allclose(first, ref_first, rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(second, ref_second, rtol=2e-2, atol=1e-2)
