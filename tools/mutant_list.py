@@ -646,6 +646,24 @@ MUTANTS: tuple[Mutant, ...] = (
         T_LSO + "test_step_sequence_sgd_momentum",
         "last_step_applied reports True after a skipped step",
     ),
+    # ---- value_and_grad with Flax NNX objects ----------------------------------------------
+    _m(
+        "loss_scale_state.nnx_objects_differentiated_as_pytrees",
+        "loss_scale_state.py",
+        "        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):",
+        "        if _any_diff_state(argnums):",
+        "tests/test_nnx_state.py::test_batch_stats_move_as_with_nnx_value_and_grad",
+        "value_and_grad differentiates NNX modules as pytrees: BatchNorm's statistics stay 0.0",
+    ),
+    _m(
+        "nnx_support.negative_argnums_not_counted_from_the_end",
+        "nnx_support.py",
+        "        return a + n_args if isinstance(a, int) and a < 0 else a",
+        "        return a",
+        "tests/test_nnx_state.py::"
+        "test_undifferentiated_nodes_keywords_and_custom_variables_keep_their_updates",
+        "argnums=-1 with NNX objects differentiates the keywords appended after the arguments",
+    ),
     # ---- issue 14: state in loops ----------------------------------------------------------
     _m(
         "paint.loop_state_not_kept",

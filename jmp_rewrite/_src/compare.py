@@ -262,7 +262,8 @@ def compare(
     Args:
       fun: the function, as for :func:`jmp_rewrite.rewrite`: a forward pass, a loss or a
         whole train step (a ``jax.jit``-decorated function is looked into as well).
-      *args: concrete example arguments (arrays or pytrees of arrays).
+      *args: concrete example arguments (arrays or pytrees of arrays; Flax NNX objects
+        run on copies of their state: what ``fun`` sets on them is not written back).
       dtype: ``jnp.float16`` or ``jnp.bfloat16``; None picks by platform and falls back to
         float16 where the platform has no fast half precision (e.g. a CPU).
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``, with the

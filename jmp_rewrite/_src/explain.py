@@ -335,7 +335,8 @@ def explain(
 
     Args:
       fun: the function, as for :func:`jmp_rewrite.rewrite`, or a rewritten function.
-      *args: example arguments.
+      *args: example arguments (Flax NNX objects are traced on copies of their state and
+        left as they are).
       dtype: ``jnp.float16`` or ``jnp.bfloat16``; None decides as :func:`jmp_rewrite.rewrite`
         does (the rewrite's own dtype, else the seed API's, else the platform's: none on a
         CPU, where the report says the rewrite is off and why; pass a dtype to see what a

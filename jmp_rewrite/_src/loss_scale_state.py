@@ -8,6 +8,7 @@ containers, ``flax.nnx.Optimizer`` objects and other pytrees; :func:`scale_loss`
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_rewrite._src import nnx_support
 from jmp_rewrite._src.finite import LossScaleDebugState
 
 ArrayTree = Any
@@ -272,16 +274,28 @@ def value_and_grad(
     ``fun`` together with the scaled gradients, ready for the loss-scale optimizer's
     ``update``.
 
+    Flax NNX objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``, variables) anywhere in
+    ``args`` or ``kwargs`` are handled as ``nnx.value_and_grad`` handles them (it does the
+    differentiating then): the gradient of a module in ``argnums`` is an ``nnx.State`` of its
+    ``nnx.Param`` variables (``nnx.DiffState(argnum, filter)`` in ``argnums`` picks others),
+    and what ``fun`` sets on any of the objects (BatchNorm's statistics, Dropout's RNG
+    counts, a ``Variable`` of your own) is on them after the call, eager or under
+    ``nnx.jit`` and :func:`jmp_rewrite.rewrite` in either order. So
+    ``jmp_rewrite.value_and_grad(loss_fn)(optimizer, model)`` is
+    ``nnx.value_and_grad`` of ``scale_loss(loss_fn(model), optimizer)`` with the loss
+    unscaled. (``jax.jit`` copies NNX objects: jit an NNX step with ``nnx.jit``.)
+
     Args:
       fun: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux``.
       argnums: which positional argument(s) of ``fun`` to differentiate (counted in ``args``,
-        i.e. not counting ``opt_state``).
+        i.e. not counting ``opt_state``); with Flax NNX, also ``nnx.DiffState`` entries.
+        Keyword arguments are never differentiated.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
       A function ``(opt_state, *args, **kwargs) -> (value, scaled_grads)``, or
       ``((value, aux), scaled_grads)`` with ``has_aux``. ``value`` is ``fun``'s own output,
-      unscaled, in its own dtype.
+      unscaled, in its own dtype; the gradients of NNX objects are ``nnx.State`` objects.
 
     Raises:
       TypeError: if ``fun`` is not callable; (when called) if the first argument holds no
@@ -318,12 +332,20 @@ def value_and_grad(
             loss, aux = out if has_aux else (out, None)
             return scale_loss(loss, opt_state), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)(
-            *args, **kwargs
-        )
+        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):
+            grads_of = functools.partial(nnx_support.value_and_grad, scaled_fun, argnums)
+            (_, (loss, aux)), grads = grads_of(args, kwargs)
+        else:
+            grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+            (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _any_diff_state(argnums: Any) -> bool:
+    items = argnums if isinstance(argnums, Sequence) else (argnums,)
+    return any(nnx_support.is_diff_state(a) for a in items)
 
 
 def non_finite_leaves(opt_state: Any, tree: ArrayTree) -> list[tuple[str, str]]:

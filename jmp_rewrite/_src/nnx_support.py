@@ -13,7 +13,9 @@ it must be for an argument to be an NNX object.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -48,6 +50,55 @@ def graph_node_test() -> Any:
 
         _TEST[:] = [nnx, is_graph_node]
     return _TEST[1]
+
+
+def holds_graph_nodes(tree: Any) -> bool:
+    """Whether ``tree`` (e.g. a call's ``(args, kwargs)``) holds an NNX graph node."""
+    is_node = graph_node_test()
+    if is_node is None:
+        return False
+    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+
+
+def is_diff_state(argnum: Any) -> bool:
+    """Whether ``argnum`` is an ``nnx.DiffState`` (an argnum with a filter of its own)."""
+    nnx = nnx_module()
+    return nnx is not None and isinstance(argnum, getattr(nnx, "DiffState", ()))
+
+
+def _positive_argnums(argnums: Any, n_args: int) -> Any:
+    """``argnums`` with negative positions counted from the end of ``n_args`` (the call gets
+    one more positional argument, its keywords, after them)."""
+
+    def one(a: Any) -> Any:
+        if is_diff_state(a):
+            return dataclasses.replace(a, argnum=a.argnum + n_args) if a.argnum < 0 else a
+        return a + n_args if isinstance(a, int) and a < 0 else a
+
+    if isinstance(argnums, Sequence):
+        return tuple(one(a) for a in argnums)
+    return one(argnums)
+
+
+def value_and_grad(
+    fun: Callable[..., Any], argnums: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Any]:
+    """``jax.value_and_grad(fun, argnums, has_aux=True)(*args, **kwargs)`` for a call whose
+    arguments hold NNX graph nodes, through ``nnx.value_and_grad``: the gradients of a graph
+    node are an ``nnx.State`` of its ``nnx.Param`` variables (or of an ``nnx.DiffState``'s
+    filter), and what ``fun`` sets on the nodes (BatchNorm statistics, ``Rngs`` counters, any
+    ``Variable``) is written back to the caller's objects, as ``nnx.value_and_grad`` does.
+    Keywords are passed as one more, never differentiated, positional argument (NNX's
+    transforms take positional arguments only)."""
+    n_args = len(args)
+
+    def positional(*a: Any) -> Any:
+        return fun(*a[:n_args], **a[n_args])
+
+    grad_fn = nnx_module().value_and_grad(
+        positional, argnums=_positive_argnums(argnums, n_args), has_aux=True
+    )
+    return grad_fn(*args, dict(kwargs))
 
 
 def split(nodes: tuple[Any, ...]) -> tuple[Any, Any]:

@@ -566,7 +566,7 @@ def paint_program(
 
     Args:
       fun: the function, as for :func:`rewrite`.
-      *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: example arguments (arrays, ``jax.ShapeDtypeStruct``; NNX objects stay as given).
       dtype: ``jnp.float16`` or ``jnp.bfloat16``.
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`rewrite`.
