@@ -93,8 +93,10 @@ class Report(ReportData):
         in half precision, with the change and its risk.
 
         Returns:
-          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s: half carries first, then
-          tensor-core findings (most FLOPs first), then deny chains (most bytes first).
+          A list of findings (the *Finding* type of the API reference: ``kind``,
+          ``message``, ``change``, ``risk``, ...): half carries first, then tensor-core
+          findings (most FLOPs first), then deny chains (most bytes first). ``print`` shows
+          one finding per line, with its change and risk below it.
 
         Example:
           >>> import jax.numpy as jnp
@@ -103,6 +105,9 @@ class Report(ReportData):
           ...                         jnp.ones((4, 8)), dtype=jnp.float16)
           >>> [f.kind for f in r.lint()]
           ['tensor_cores']
+          >>> print(r.lint())
+          [tensor_cores] forward dot_general f16[4,8] x f16[8,100]... not a multiple of 8 ...
+              change: pad or resize: output features 100 -> 104
         """
         return explain_view.lint(self)
 
