@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from jmp_rewrite._src import explain_html, explain_view, shapes, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
@@ -24,8 +25,10 @@ from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import dtypes_after, equation_facts
+from jmp_rewrite._src.fp8 import Fp8Rules
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.graph_records import walk_scopes
+from jmp_rewrite._src.op_lists import OpLists
 from jmp_rewrite._src.paint import deny_releases
 from jmp_rewrite._src.paint_additions import half_accumulating_carries
 from jmp_rewrite._src.report import CastReport, EquationReport, ReportData
@@ -317,12 +320,12 @@ def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 def explain(
     fun: Callable[..., Any],
     *args: Any,
-    dtype: Any = None,
-    lists: Any = None,
+    dtype: DTypeLike | None = None,
+    lists: OpLists | None = None,
     level: str | None = None,
     infer_follows_allow: bool | None = None,
     residuals: bool = True,
-    fp8: Any = None,
+    fp8: bool | Fp8Rules | None = None,
     fuse_attention: bool | None = None,
     **kwargs: Any,
 ) -> Report:
