@@ -56,7 +56,8 @@ $(DOCS_STAMP): pyproject.toml
 	$(call venv,docs)
 	touch $(DOCS_STAMP)
 
-.PHONY: test test-newest demo docs lint format bench figures gpu-memory mutants goldens clean
+.PHONY: test test-newest demo docs package package-check lint format bench figures gpu-memory \
+  mutants goldens clean
 
 LINTED := jmp_rewrite tests benchmarks tools docs/conf.py docs/_ext
 
@@ -92,6 +93,15 @@ docs:
 	  docs docs/_build/html
 	@echo "The site: docs/_build/html/index.html"
 
+# make package: the wheel and the sdist into dist/ (python -m build, in a throw-away
+# environment). make package-check (CI) also installs the wheel into a virtual environment made
+# from nothing and runs the README's Example against it from outside the checkout (.ci/package).
+package:
+	PYTHON=$(PYTHON) .ci/package
+
+package-check:
+	PYTHON=$(PYTHON) .ci/package --check
+
 format: $(STAMP)
 	$(BIN)/ruff format $(LINTED)
 	$(BIN)/ruff check --fix $(LINTED)
@@ -124,4 +134,5 @@ mutants: $(STAMP)
 	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-newest .venv-gpu .venv-docs .pytest_cache runs docs/_build docs/_generated
+	rm -rf .venv .venv-newest .venv-gpu .venv-docs .pytest_cache runs docs/_build docs/_generated \
+	  dist build jmp_rewrite.egg-info

@@ -20,14 +20,22 @@ import jmp_rewrite  # noqa: E402
 project = "jmp_rewrite"
 author = "the jmp_rewrite authors"
 copyright = "the jmp_rewrite authors"  # noqa: A001
-release = jmp_rewrite.__version__
+release = jmp_rewrite.__version__  # beside the title on every page
+version = release
 
 extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",  # [source] links to the highlighted source, built here (no network)
+    "sphinx_copybutton",
     "jmp_docs",
 ]
+
+# The copy button copies the code of a ``>>>`` example without its prompts and its output.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 # MyST: Markdown pages (the README's passages move over unchanged), notebooks via myst-nb.
 source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
@@ -55,6 +63,8 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 python_maximum_signature_line_length = 88
 add_module_names = False
+# The page's contents list names a method "update", not "LossScaleOptimizerState.update".
+toc_object_entries_show_parents = "hide"
 
 nitpicky = True
 # Other libraries' names: no inventory for them (no network at build time).
@@ -74,7 +84,10 @@ nitpick_ignore_regex = [
 ]
 
 html_theme = "sphinx_book_theme"
-html_title = "jmp_rewrite"
+# The sidebar's title and every page's <title> suffix, with the version; the home page's
+# <title> is this alone (docs/_templates/layout.html), not "jmp_rewrite — jmp_rewrite".
+html_title = f"jmp_rewrite {release}"
+templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
 html_theme_options = {
@@ -83,6 +96,9 @@ html_theme_options = {
     "use_fullscreen_button": False,
     "home_page_in_toc": True,
     "show_navbar_depth": 1,
+    # pydata-sphinx-theme (0.16+) puts a search field in a header bar of its own unless this
+    # is set here; sphinx-book-theme has its own in the sidebar: one bar, one search field.
+    "navbar_persistent": [],
 }
 html_last_updated_fmt = None
 html_copy_source = False

@@ -3,7 +3,9 @@
 Public names only; the implementation lives in ``jmp_rewrite._src``, which is private.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+#: The release, the one place it is written: the package's metadata (pyproject.toml reads it
+#: from here) and the documentation site show it.
+__version__ = "0.1.0"
 
 from jmp_rewrite._src.environment import lists_from_environment as lists_from_environment
 from jmp_rewrite._src.explain import CastReport as CastReport
@@ -33,11 +35,6 @@ from jmp_rewrite._src.seed import (
 from jmp_rewrite._src.settings import Fp8NoneSelectedWarning as Fp8NoneSelectedWarning
 from jmp_rewrite._src.settings import RewriteOffWarning as RewriteOffWarning
 from jmp_rewrite._src.settings import platform_dtype as platform_dtype
-
-try:
-    __version__ = version("jmp_rewrite")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
 
 __all__ = (
     "LEVELS",

@@ -325,6 +325,30 @@ def test_lint_is_quiet_on_aligned_float32_safe_programs():
     r = jr.explain(lambda w, x: jnp.tanh(x @ w), jnp.ones((64, 128)), jnp.ones((16, 64)))
     assert r.lint() == []
     assert "nothing to change" in r.format()
+    assert str(r.lint()) == "no findings: nothing to change"
+
+
+def test_printed_lint_findings_read_as_text_not_as_dataclass_reprs():
+    graphdef, params = nnx.split(Wide(nnx.Rngs(0)))
+    r = jr.explain(
+        lambda p, x: jnp.mean(nnx.merge(graphdef, p)(x) ** 2),
+        params,
+        jnp.ones((32, 64)),
+        dtype=jnp.float16,
+    )
+    found = r.lint()
+    assert isinstance(found, list) and len(found) >= 3
+    printed = str(found)
+    assert "Finding(" not in printed and "equations=" not in printed
+    lines = printed.splitlines()
+    assert len(lines) == 2 * len(found)  # one finding per line, its change below it
+    for f, head, change in zip(found, lines[::2], lines[1::2], strict=True):
+        assert str(f) == f"{head}\n{change}"
+        assert head.startswith(f"[{f.kind}] {f.message}")
+        assert change == f"    change: {f.change}" + (f"; risk: {f.risk}" if f.risk else "")
+    assert "(tensor cores need multiples of 8 in half precision)" in lines[0]
+    # format() shows the same text, indented under its "lint (n findings):" heading
+    assert "\n".join("  " + line for line in lines) in r.format()
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 import doctest
 import importlib
 import inspect
+import os
+import re
+import tomllib
 
 import pytest
 
@@ -44,3 +47,17 @@ def test_exported_and_documented(name):
 def test_nothing_private_is_exported():
     assert all(not n.startswith("_") for n in jmp_rewrite.__all__)
     assert len(set(jmp_rewrite.__all__)) == len(jmp_rewrite.__all__)
+
+
+def test_the_version_is_written_once_and_read_by_the_metadata_and_the_site():
+    assert re.fullmatch(r"\d+\.\d+\.\d+", jmp_rewrite.__version__), jmp_rewrite.__version__
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert "version" in project["project"]["dynamic"] and "version" not in project["project"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "jmp_rewrite.__version__"
+    }
+    with open(os.path.join(repo, "docs", "conf.py"), encoding="utf-8") as f:
+        conf = f.read()
+    assert "release = jmp_rewrite.__version__" in conf and "version = " in conf

@@ -81,11 +81,39 @@ def test_jax_grad_with_a_loss_scale_optimizer_warns_once():
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    with pytest.warns(jr.UnscaledGradientsWarning, match="divided by the loss scale"):
+    with pytest.warns(jr.UnscaledGradientsWarning, match="divided by the loss scale") as record:
         step(params, state, X)
+    # It points at the update call in the user's step, not into jmp_rewrite or JAX's tracing.
+    assert (record[0].filename, record[0].lineno) == (__file__, _line_of(step, "tx.update("))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(params, state, X + 1)  # once per process
+
+
+def _line_of(fn, text: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(inspect.unwrap(fn))
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.usefixtures("fresh_unscaled_warning")
+def test_the_unscaled_warning_points_past_flaxs_optimizer_at_the_users_step():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jr.loss_scale_optimizer(optax.sgd(0.1)), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(lambda m: jnp.tanh(m(x)).sum())(model)  # the mistake again
+        optimizer.update(model, grads)
+
+    with pytest.warns(jr.UnscaledGradientsWarning) as record:
+        step(model, optimizer, X)
+    assert (record[0].filename, record[0].lineno) == (
+        __file__,
+        _line_of(step, "optimizer.update("),
+    )
 
 
 @pytest.mark.usefixtures("fresh_unscaled_warning")

@@ -124,7 +124,7 @@ def gpu_memory(found, out) -> None:
     ax.set_ylabel("rewrite / hand-written memory")
     ax.set_title(
         "GPU memory of the rewritten step against hand-written, before and after "
-        "issue 15 (H200 compile)",
+        "the memory fixes (H200 compile)",
         fontsize=10,
     )
     ax.legend(fontsize=8, ncol=3)

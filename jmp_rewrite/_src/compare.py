@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import op_lists as op_lists_lib
@@ -46,6 +47,7 @@ from jmp_rewrite._src.comparison import Comparison, EquationComparison
 from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
 from jmp_rewrite._src.equations import is_f32, is_float
 from jmp_rewrite._src.facts import equation_facts
+from jmp_rewrite._src.fp8 import Fp8Rules
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.paint_additions import half_accumulating_carries
 from jmp_rewrite._src.painting import Painting
@@ -215,12 +217,12 @@ def _output_records(
 def compare(
     fun: Callable[..., Any],
     *args: Any,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     lists: op_lists_lib.OpLists | None = None,
     level: str | None = None,
     tolerance: float | None = None,
     infer_follows_allow: bool = True,
-    fp8: Any = False,
+    fp8: bool | Fp8Rules = False,
     fuse_attention: bool = False,
     **kwargs: Any,
 ) -> Comparison:
@@ -340,7 +342,7 @@ def _compare(
     tol: float,
     infer_follows_allow: bool,
     previous: _Reference | None,
-    fp8: Any = False,
+    fp8: bool | Fp8Rules = False,
     fuse_attention: bool = False,
 ) -> Comparison:
     fn = rewrite_lib.rewrite(

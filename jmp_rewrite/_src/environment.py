@@ -26,6 +26,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from jax.typing import DTypeLike
+
 from jmp_rewrite._src import op_lists as ol
 
 #: The two families of variable names.
@@ -296,7 +298,7 @@ def level_from_environment(env: Mapping[str, str] | None = None) -> str:
 
 
 def lists_from_environment(
-    dtype: Any, env: Mapping[str, str] | None = None, *, level: str | None = None
+    dtype: DTypeLike | None, env: Mapping[str, str] | None = None, *, level: str | None = None
 ) -> tuple[ol.OpLists, str]:
     """Default lists with TF's environment overrides applied, and the level.
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from jmp_rewrite._src import explain_html, explain_view, shapes, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
@@ -24,8 +25,10 @@ from jmp_rewrite._src.emit import Emitter, Hooks
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.facts import dtypes_after, equation_facts
+from jmp_rewrite._src.fp8 import Fp8Rules
 from jmp_rewrite._src.graph import Graph, Node
 from jmp_rewrite._src.graph_records import walk_scopes
+from jmp_rewrite._src.op_lists import OpLists
 from jmp_rewrite._src.paint import deny_releases
 from jmp_rewrite._src.paint_additions import half_accumulating_carries
 from jmp_rewrite._src.report import CastReport, EquationReport, ReportData
@@ -93,8 +96,10 @@ class Report(ReportData):
         in half precision, with the change and its risk.
 
         Returns:
-          :class:`~jmp_rewrite._src.explain_view.Finding`\\ s: half carries first, then
-          tensor-core findings (most FLOPs first), then deny chains (most bytes first).
+          A list of findings (the *Finding* type of the API reference: ``kind``,
+          ``message``, ``change``, ``risk``, ...): half carries first, then tensor-core
+          findings (most FLOPs first), then deny chains (most bytes first). ``print`` shows
+          one finding per line, with its change and risk below it.
 
         Example:
           >>> import jax.numpy as jnp
@@ -103,6 +108,9 @@ class Report(ReportData):
           ...                         jnp.ones((4, 8)), dtype=jnp.float16)
           >>> [f.kind for f in r.lint()]
           ['tensor_cores']
+          >>> print(r.lint())
+          [tensor_cores] forward dot_general f16[4,8] x f16[8,100]... not a multiple of 8 ...
+              change: pad or resize: output features 100 -> 104
         """
         return explain_view.lint(self)
 
@@ -312,12 +320,12 @@ def _residual_bytes(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
 def explain(
     fun: Callable[..., Any],
     *args: Any,
-    dtype: Any = None,
-    lists: Any = None,
+    dtype: DTypeLike | None = None,
+    lists: OpLists | None = None,
     level: str | None = None,
     infer_follows_allow: bool | None = None,
     residuals: bool = True,
-    fp8: Any = None,
+    fp8: bool | Fp8Rules | None = None,
     fuse_attention: bool | None = None,
     **kwargs: Any,
 ) -> Report:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import textwrap
 from typing import Any
 
 from jmp_rewrite._src import shapes as shape_lib
@@ -270,6 +271,20 @@ class Finding:
     change: str = ""
     risk: str = ""
 
+    def __str__(self) -> str:
+        """``[kind] message``, then the change and its risk on an indented second line."""
+        line = f"[{self.kind}] {self.message}"
+        if self.kind == "tensor_cores":
+            line += " (tensor cores need multiples of 8 in half precision)"
+        return f"{line}\n    change: {self.change}" + (f"; risk: {self.risk}" if self.risk else "")
+
+
+class Findings(list):
+    """:func:`lint`'s findings: a list of :class:`Finding`; ``print`` shows each as text."""
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self)) if self else "no findings: nothing to change"
+
 
 def _shape(shape: tuple[int, ...], dtype: str) -> str:
     short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}.get(dtype, dtype)
@@ -281,7 +296,7 @@ def _where(scope: str, source: str) -> str:
     return (where if source else "") + (f" ({scope})" if scope else "")
 
 
-def lint(report: ReportData) -> list[Finding]:
+def lint(report: ReportData) -> Findings:
     """Findings for ``report``; see :meth:`jmp_rewrite.Report.lint`."""
     findings: list[Finding] = []
     odd: dict[tuple[Any, ...], list[EquationReport]] = {}
@@ -352,7 +367,7 @@ def lint(report: ReportData) -> list[Finding]:
             )
         )
     chains.sort(key=lambda f: shape_lib.descending(f.bytes))
-    return (
+    return Findings(
         _gradient_underflow(report)
         + _half_carries(report)
         + findings
@@ -576,11 +591,7 @@ def format_groups(report: ReportData, by: str = "scope") -> str:
     ]
     found = lint(report)
     text = [report.summary(), "", *lines, "", f"lint ({_plural(len(found), 'finding')}):"]
-    for f in found:
-        text.append(f"  [{f.kind}] {f.message}")
-        if f.kind == "tensor_cores":
-            text[-1] += " (tensor cores need multiples of 8 in half precision)"
-        text.append(f"      change: {f.change}" + (f"; risk: {f.risk}" if f.risk else ""))
+    text += [textwrap.indent(str(f), "  ") for f in found]
     if not found:
         text.append("  nothing to change")
     return "\n".join(text)

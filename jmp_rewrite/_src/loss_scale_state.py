@@ -8,8 +8,11 @@ containers, ``flax.nnx.Optimizer`` objects and other pytrees; :func:`scale_loss`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
+import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -198,6 +201,28 @@ _SCALED_IDS: set[int] = set()
 _WARNED_UNSCALED: list[bool] = [False]
 
 
+# Packages between a train step and ``update``: JAX's tracing, optax's combinators and Flax's
+# optimizers (``nnx.Optimizer.update``); a warning points past them, at the user's line.
+_CALLING_PACKAGES = ("jmp_rewrite", "jax", "jaxlib", "numpy", "optax", "flax")
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, from its caller, of the innermost frame outside
+    :data:`_CALLING_PACKAGES` (those imported) and Python's wrappers: the user's call."""
+    dirs = tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for m in map(sys.modules.get, _CALLING_PACKAGES)
+        if getattr(m, "__file__", None)
+    )
+    wrappers = {os.path.abspath(m.__file__) for m in (functools, contextlib)}
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(dirs) or frame.f_code.co_filename in wrappers
+    ):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def check_loss_was_scaled(state: Any, rule: Any) -> None:
     """Warns (:class:`UnscaledGradientsWarning`, once) when ``update`` is traced with a loss
     scale that :func:`scale_loss` never read in this program.
@@ -223,7 +248,7 @@ def check_loss_was_scaled(state: Any, rule: Any) -> None:
         "scaled in another traced function, ignore this: warnings.filterwarnings('ignore', "
         "category=jmp_rewrite.UnscaledGradientsWarning)",
         UnscaledGradientsWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
 
 

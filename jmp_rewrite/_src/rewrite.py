@@ -19,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import arguments, nnx_support
@@ -26,6 +27,7 @@ from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src.emit import Emitter
 from jmp_rewrite._src.facts import EquationPaint, equation_facts
 from jmp_rewrite._src.graph import Graph
+from jmp_rewrite._src.op_lists import OpLists
 from jmp_rewrite._src.paint import paint
 from jmp_rewrite._src.painting import Painting
 from jmp_rewrite._src.settings import (
@@ -291,13 +293,13 @@ def rewritten_with(fun: Callable[..., Any], settings: Settings, static: Any = No
 def rewrite(
     fun: F,
     *,
-    dtype: Any = ...,
-    lists: Any = ...,
+    dtype: DTypeLike | None = ...,
+    lists: OpLists | None = ...,
     level: str | None = ...,
     infer_follows_allow: bool = ...,
     static_argnums: Any = ...,
     static_argnames: Any = ...,
-    fp8: Any = ...,
+    fp8: bool | fp8_lib.Fp8Rules = ...,
     fuse_attention: bool = ...,
 ) -> F: ...
 
@@ -306,13 +308,13 @@ def rewrite(
 def rewrite(
     fun: None = ...,
     *,
-    dtype: Any = ...,
-    lists: Any = ...,
+    dtype: DTypeLike | None = ...,
+    lists: OpLists | None = ...,
     level: str | None = ...,
     infer_follows_allow: bool = ...,
     static_argnums: Any = ...,
     static_argnames: Any = ...,
-    fp8: Any = ...,
+    fp8: bool | fp8_lib.Fp8Rules = ...,
     fuse_attention: bool = ...,
 ) -> Callable[[F], F]: ...
 
@@ -443,11 +445,11 @@ def rewrite(
 def rewrite_jaxpr(
     closed_jaxpr: Any,
     *,
-    dtype: Any,
-    lists: Any = None,
+    dtype: DTypeLike | None,
+    lists: OpLists | None = None,
     level: str | None = None,
     infer_follows_allow: bool = True,
-    fp8: Any = False,
+    fp8: bool | fp8_lib.Fp8Rules = False,
     fuse_attention: bool = False,
 ) -> Any:
     """Rewrites a closed jaxpr; the result has the same input and output avals.
@@ -552,13 +554,13 @@ def paint_result(
 def paint_program(
     fun: Callable[..., Any],
     *args: Any,
-    dtype: Any,
-    lists: Any = None,
+    dtype: DTypeLike | None,
+    lists: OpLists | None = None,
     level: str | None = None,
     infer_follows_allow: bool = True,
     static_argnums: Any = None,
     static_argnames: Any = None,
-    fp8: Any = False,
+    fp8: bool | fp8_lib.Fp8Rules = False,
     fuse_attention: bool = False,
     **kwargs: Any,
 ) -> PaintResult:

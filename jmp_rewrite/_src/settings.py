@@ -153,7 +153,7 @@ def platform_choice(device: Any = None) -> tuple[np.dtype | None, str]:
     return None, f"{_PLATFORM_RULE}, and the default device is a {device.platform}"
 
 
-def platform_dtype(device: Any = None) -> np.dtype | None:
+def platform_dtype(device: jax.Device | None = None) -> np.dtype | None:
     """TF's choice of target dtype for a device: float16 on CUDA GPUs of compute capability
     >= 7.0, bfloat16 on TPUs, None (no rewrite) elsewhere, e.g. on CPU.
 

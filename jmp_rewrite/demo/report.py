@@ -149,11 +149,13 @@ def plot(f32: RunResult, mixed: RunResult, path: str, title: str) -> None:
     if has_scale:
         ax = axes[2]
         ax.step(steps, mixed.scales, where="post", color="tab:orange")
+        scale_title = "dynamic loss scale"
         if mixed.skipped_steps:
             sk = np.asarray(mixed.skipped_steps)
-            ax.plot(sk + 1, np.asarray(mixed.scales)[sk], "rx", label=f"{len(sk)} skipped steps")
-            ax.legend(loc="lower right")
-        ax.set(xlabel="step", ylabel="loss scale", title="dynamic loss scale", yscale="log")
+            ax.plot(sk + 1, np.asarray(mixed.scales)[sk], "rx")
+            # In the title, not a legend box: a legend sat on the trace.
+            scale_title += f" (x: {len(sk)} skipped steps)"
+        ax.set(xlabel="step", ylabel="loss scale", title=scale_title, yscale="log")
         ax.set_yscale("log", base=2)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)

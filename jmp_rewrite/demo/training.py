@@ -192,7 +192,8 @@ def train(
       model: the initialised model (left untouched: both runs start from it).
       mixed: rewrite the train step (and evaluation) to ``config.dtype`` with the configured
         loss scaling; otherwise train in float32.
-      progress_file: where tqdm writes (default: stderr).
+      progress_file: where the progress goes (default: stderr): a tqdm bar on a terminal,
+        else (a log file, a pipe, CI) a plain line every tenth of the run.
 
     Returns:
       ``(result, train_step, example_args)``: ``train_step`` un-jitted and un-rewritten, so
@@ -227,12 +228,16 @@ def train(
     result = RunResult(name, [], [], [], [], [], [], None, 0.0, 0.0)
     eval_points = _eval_points(config)
     start = time.perf_counter()
+    out = progress_file if progress_file is not None else sys.stderr
+    terminal = bool(getattr(out, "isatty", lambda: False)())
+    # A bar redraws itself many times a second: on a terminal only. A log gets plain lines.
+    lines_every = max(1, config.steps // 10) if config.progress and not terminal else 0
     bar = tqdm(
         _batches(config),
         desc=f"{name:>14}",
         unit="step",
-        disable=not config.progress,
-        file=progress_file if progress_file is not None else sys.stderr,
+        disable=not (config.progress and terminal),
+        file=out,
         dynamic_ncols=True,
         leave=True,
     )
@@ -259,6 +264,9 @@ def train(
             postfix["scale"] = f"{result.scales[-1]:g}"
             postfix["skipped"] = len(result.skipped_steps)
         bar.set_postfix(postfix, refresh=False)
+        if lines_every and (step % lines_every == 0 or step == config.steps):
+            shown = ", ".join(f"{k} {v}" for k, v in postfix.items())
+            print(f"{name:>14}: step {step}/{config.steps}, {shown}", file=out, flush=True)
     bar.close()
     result.seconds = time.perf_counter() - start
     if scale_rule is not None:
