@@ -157,6 +157,44 @@ def test_shape_reasons_are_counted_by_kind():
         jr.rewrite(small, dtype=BF16, fp8=rules)(ws, x)
 
 
+def deep(ws, x):
+    for w in ws[:-1]:
+        x = jnp.tanh(x @ w)
+    return x @ ws[-1]
+
+
+_SHAPE_RULE = "(float8 needs M, N, K >= 256 and multiples of 16)"
+_FIRST = "the first weight GEMM (the input layer) stays bfloat16"
+_LAST = "the last weight GEMM (the output head) stays bfloat16"
+
+
+@pytest.mark.parametrize(
+    "widths, said",
+    [
+        ([16] * 5, f"2 x shape: M=8, N=16, K=16 {_SHAPE_RULE}; 1 x {_FIRST}; 1 x {_LAST}"),
+        (  # shapes of two kinds: counted together, the first named
+            [16, 32, 16, 16, 16],
+            f"2 x shape: M=8, N=16, K=32 {_SHAPE_RULE}, the first of them; 1 x {_FIRST}; "
+            f"1 x {_LAST}",
+        ),
+        ([16] * 3, f"1 x {_FIRST}; 1 x {_LAST}"),
+    ],
+    ids=["four", "five-shapes-differ", "two"],
+)
+def test_the_warning_counts_each_reason(widths, said):
+    """Each reason is counted by the matmuls it holds back, not by all of them (``2 x`` for
+    the one first weight GEMM would be wrong)."""
+    ws = [jnp.ones((a, b)) / a for a, b in zip(widths, widths[1:])]
+    x = jnp.ones((8, widths[0]))
+    with pytest.warns(jr.Fp8NoneSelectedWarning) as record:
+        jr.rewrite(deep, dtype=BF16, fp8=True)(ws, x)
+    n = len(ws)
+    assert [str(r.message) for r in record] == [
+        f"rewrite(deep) runs no matmul in float8 under fp8=True: each of its {n} "
+        f"half-precision matmuls stays bfloat16: {said}"
+    ]
+
+
 def test_no_warning_when_float8_runs_or_is_off():
     ws, x = _inputs()
     with warnings.catch_warnings():
