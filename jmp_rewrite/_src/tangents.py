@@ -90,21 +90,22 @@ class Unsaturated:
         """A half cast, move or choice ``eqn`` (:data:`HANDS_ON`, or a call of only those) of
         operands ``invals``, of float32 values ``saturated`` where half saturated them (None
         elsewhere; None: none did): its half outputs ``outs`` stand for the same equation of
-        the float32 values, its other float operands cast up (a ``concatenate`` of a fill and
-        a computed value, a ``pad`` by a fill, ``jnp.flip``'s call)."""
+        the float32 values, its other float operands cast back to the program's dtypes (a
+        ``concatenate`` of a fill and a computed value, a ``pad`` by a fill, ``jnp.flip``'s
+        call)."""
         if not saturated or all(s is None for s in saturated) or not hands_on(eqn):
             return
 
-        def up(v: Any, s: Any) -> Any:
+        def up(atom: Any, v: Any, s: Any) -> Any:  # in the program's dtype (a call's body's)
             if s is not None:
                 return s
-            return cast(v, np.float32) if is_float(jnp.result_type(v)) else v
+            return cast(v, atom.aval.dtype) if is_float(jnp.result_type(v)) else v
 
         bound: list[Any] = []
 
         def value(k: int) -> Any:  # not bound unless read: most casts are never differentiated
             if not bound:
-                ups = [up(v, s) for v, s in zip(invals, saturated, strict=True)]
+                ups = [up(*t) for t in zip(eqn.invars, invals, saturated, strict=True)]
                 bound.extend(ho.bind(eqn, ups, eqn.params))
             return bound[k]
 
