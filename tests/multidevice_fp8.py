@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from test_fp8_boundaries import N, _inputs, float8_casts, make_step
+from test_fp8_boundaries import N, _inputs, float8_casts, float8_gemms, make_step, sharded_forward
 
 import jmp_rewrite as jr
 
@@ -39,6 +39,13 @@ for name, fn in versions.items():
     np.testing.assert_allclose(loss, reference[0], rtol=5e-2)
     for a, b in zip(new, reference[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=5e-3)
+# rewrite(grad(f)) of a forward in shard_map: its 2 float8 GEMMs' 4 gradient GEMMs too
+loss = jax.shard_map(sharded_forward, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+for name, fn in {
+    "rewrite(grad)": jr.rewrite(jax.grad(loss), dtype=jnp.bfloat16, fp8=True),
+    "grad(rewrite)": jax.grad(jr.rewrite(loss, dtype=jnp.bfloat16, fp8=True)),
+}.items():
+    assert float8_gemms(fn, ws, x) == 2 + 4, (name, float8_gemms(fn, ws, x))
 report = jr.explain(shard(make_step("d")), ws, x, dtype=jnp.bfloat16, fp8=True, residuals=False)
 assert report.float8_flops_share and not report.fp8_none
 

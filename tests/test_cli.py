@@ -62,6 +62,11 @@ def example_overflow():
 
 def not_a_pair():
     return loss
+
+
+def example_rounding():  # float16 rounds these: relative errors near 1e-3, none beyond 1e-2
+    w = jnp.sin(jnp.arange(64 * 64, dtype=jnp.float32)).reshape(64, 64) / 8
+    return lambda w, x: jnp.tanh(x @ w), (w, jnp.cos(jnp.arange(4 * 64.0)).reshape(4, 64))
 """
 
 
@@ -373,6 +378,37 @@ def test_compare_prints_errors_and_suggestions(user_module, capsys):
     assert cli.main(["compare", f"{user_module}:loss", "--shapes", "f32[8,16],f32[4,8]"]) == 0
     out = capsys.readouterr().out
     assert "dot_general" in out and "rel" in out.lower()
+
+
+@pytest.mark.parametrize("given", ["1e-9", "0.5", None])
+def test_compare_uses_the_tolerance_given(user_module, capsys, given):
+    """``--tolerance`` is the tolerance the comparison judges by (float16's default 1e-2
+    otherwise): reported, and every equation whose error is past it, and only those, is
+    marked as exceeding."""
+    args = ["compare", "--factory", f"{user_module}:example_rounding", "--json"]
+    assert cli.main(args + (["--tolerance", given] if given else [])) == 0
+    data = json.loads(capsys.readouterr().out)
+    tol = float(given or 1e-2)
+    assert data["tolerance"] == tol
+    errors = [e["rel_error"] for e in data["equations"]]
+    assert max(errors) > 1e-5 and all(e < 1e-2 for e in errors), errors
+    assert [e["exceeds"] for e in data["equations"]] == [e > tol for e in errors]
+    assert (data["first_exceeding"] is not None) == (tol < 1e-5)
+    assert cli.main(args[:-1] + (["--tolerance", given] if given else [])) == 0
+    assert f"compare: float16 vs float32, tolerance {tol:g}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["0", "-1e-3", "nan", "inf", "abc", "1e-3x"])
+def test_compare_refuses_a_bad_tolerance(user_module, capsys, given):
+    """A bad ``--tolerance`` is a usage error naming the value and what is allowed, before
+    the inputs are built."""
+    args = ["compare", "--factory", f"{user_module}:example_rounding", f"--tolerance={given}"]
+    with pytest.raises(SystemExit) as exc:  # argparse's own usage error
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "argument --tolerance: expected a positive finite number" in err
+    assert f"(a relative error, e.g. 1e-3), got {given!r}" in err
 
 
 def test_explain_subprocess_imports_from_cwd(tmp_path):

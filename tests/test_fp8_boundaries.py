@@ -92,6 +92,38 @@ def test_float8_sees_through_shard_map(order):
     assert report.float8_flops_share and not report.fp8_none
 
 
+def float8_gemms(fun, *args) -> int:
+    """The ``dot_general`` equations of ``fun``'s jaxpr reading a float8 operand."""
+    return sum(
+        1
+        for e in all_eqns(jax.make_jaxpr(fun)(*args))
+        if e.primitive.name == "dot_general"
+        and any("float8" in str(v.aval.dtype) for v in e.invars)
+    )
+
+
+def sharded_forward(ws, x, axis: str = "d"):
+    """An MLP's loss, its forward only: ``jax.grad`` of its ``shard_map`` transposes it."""
+    h = x
+    for w in ws:
+        h = jnp.tanh(h @ w)
+    return jax.lax.pmean(jnp.mean(h**2), axis)
+
+
+def test_the_gradient_gemms_of_a_forward_in_shard_map_run_in_float8():
+    """``rewrite(grad(f))`` with ``f``'s forward inside ``shard_map``: the 2 middle forward
+    GEMMs run in float8 (the first and last are kept) and so do their 4 gradient GEMMs,
+    in the transposed ``shard_map``, paired with the forward ones through the values they
+    share (the body's parameters named as the caller's arguments; else 0 of 4). Eight
+    devices: ``test_float8_under_shard_map_on_eight_devices``."""
+    ws, x = _inputs()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    loss = jax.shard_map(sharded_forward, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())
+    assert float8_gemms(jr.rewrite(loss, dtype=BF16, fp8=True), ws, x) == 2
+    assert float8_gemms(jr.rewrite(jax.grad(loss), dtype=BF16, fp8=True), ws, x) == 2 + 4
+    assert float8_gemms(jax.grad(jr.rewrite(loss, dtype=BF16, fp8=True)), ws, x) == 2 + 4
+
+
 def test_a_state_updated_in_shard_map_stays_float32():
     """The SGD step inside ``shard_map`` reads the ``pvary``-ed parameter: an update of it
     still, kept float32 (before, it was rounded to bfloat16: 1e-4 off, 100x the step's own
@@ -155,6 +187,44 @@ def test_shape_reasons_are_counted_by_kind():
     rules = jr.Fp8Rules(keep_first=False, keep_last=False)
     with pytest.warns(jr.Fp8NoneSelectedWarning, match=r"2 x shape: M=8, N=16, K=16"):
         jr.rewrite(small, dtype=BF16, fp8=rules)(ws, x)
+
+
+def deep(ws, x):
+    for w in ws[:-1]:
+        x = jnp.tanh(x @ w)
+    return x @ ws[-1]
+
+
+_SHAPE_RULE = "(float8 needs M, N, K >= 256 and multiples of 16)"
+_FIRST = "the first weight GEMM (the input layer) stays bfloat16"
+_LAST = "the last weight GEMM (the output head) stays bfloat16"
+
+
+@pytest.mark.parametrize(
+    "widths, said",
+    [
+        ([16] * 5, f"2 x shape: M=8, N=16, K=16 {_SHAPE_RULE}; 1 x {_FIRST}; 1 x {_LAST}"),
+        (  # shapes of two kinds: counted together, the first named
+            [16, 32, 16, 16, 16],
+            f"2 x shape: M=8, N=16, K=32 {_SHAPE_RULE}, the first of them; 1 x {_FIRST}; "
+            f"1 x {_LAST}",
+        ),
+        ([16] * 3, f"1 x {_FIRST}; 1 x {_LAST}"),
+    ],
+    ids=["four", "five-shapes-differ", "two"],
+)
+def test_the_warning_counts_each_reason(widths, said):
+    """Each reason is counted by the matmuls it holds back, not by all of them (``2 x`` for
+    the one first weight GEMM would be wrong)."""
+    ws = [jnp.ones((a, b)) / a for a, b in zip(widths, widths[1:])]
+    x = jnp.ones((8, widths[0]))
+    with pytest.warns(jr.Fp8NoneSelectedWarning) as record:
+        jr.rewrite(deep, dtype=BF16, fp8=True)(ws, x)
+    n = len(ws)
+    assert [str(r.message) for r in record] == [
+        f"rewrite(deep) runs no matmul in float8 under fp8=True: each of its {n} "
+        f"half-precision matmuls stays bfloat16: {said}"
+    ]
 
 
 def test_no_warning_when_float8_runs_or_is_off():

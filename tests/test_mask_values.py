@@ -349,3 +349,49 @@ def test_an_overflowing_gradient_through_a_mask_bias_skips_the_step():
     state = jr.get_loss_scale_state(opt_state)
     assert int(state.skipped_steps) == 1 and not bool(state.last_step_applied)
     np.testing.assert_array_equal(new, w)
+
+
+def _fill_array(*shape: int, fill: float) -> jax.Array:  # a captured constant, not a literal
+    return jnp.asarray(np.full(shape, fill, np.float32))
+
+
+#: A fill moved (not cast) on its way into half: by every move, choice and call of moves
+#: (``jnp.flip``, ``jnp.where`` are calls), each reading the captured fill itself.
+MOVES = {
+    "broadcast_in_dim": lambda f: jnp.broadcast_to(jnp.float32(f), (4, 4)),
+    "reshape": lambda f: jnp.reshape(_fill_array(16, fill=f), (4, 4)),
+    "transpose": lambda f: jnp.transpose(_fill_array(4, 4, fill=f)),
+    "squeeze": lambda f: jnp.squeeze(_fill_array(1, 4, 4, fill=f), 0),
+    "expand_dims": lambda f: lax.expand_dims(_fill_array(4, fill=f), (0,)),
+    "slice": lambda f: _fill_array(8, 4, fill=f)[:4],
+    "dynamic_slice": lambda f: lax.dynamic_slice(_fill_array(8, 4, fill=f), (2, 0), (4, 4)),
+    "gather": lambda f: _fill_array(8, 4, fill=f)[jnp.arange(4)],
+    "chain": lambda f: jnp.transpose(jnp.reshape(_fill_array(16, fill=f), (4, 4))),
+    "concatenate": lambda f: jnp.concatenate([_fill_array(2, 4, fill=f)] * 2),
+    "pad": lambda f: lax.pad(_fill_array(2, 4, fill=f), jnp.float32(f), ((1, 1, 0), (0, 0, 0))),
+    "pad_by_zeros": lambda f: lax.pad(_fill_array(2, 4, fill=f), 0.0, ((1, 1, 0), (0, 0, 0))),
+    "tile": lambda f: jnp.tile(_fill_array(1, 4, fill=f), (4, 1)),
+    "flip_call": lambda f: jnp.flip(_fill_array(4, 4, fill=f), 0),
+    "where_call": lambda f: jnp.where(jnp.eye(4) > 0, _fill_array(4, 4, fill=f), f),
+}
+#: Per half type, a fill beyond its range and a cotangent scale bringing the gradient back.
+SATURATING = {F16: (-1e9, 2.0**-20), BF16: (F32_MIN, 2.0**-120)}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("move", list(MOVES))
+def test_the_gradient_through_a_moved_fill_is_the_fills(move, dtype):
+    """``d((1 - x @ w) * move(fill))/dw`` reads the fill's float32 value, however it was moved
+    into half: float16 gives ~7629 (as float32 does), not the ``0.4998`` of the clamped
+    ``-65504`` (times ``2**-20``); bfloat16 likewise with ``finfo(float32).min``. A move hands
+    the float32 value of the operand it moved on (``tangents.Unsaturated.hand_on``)."""
+    fill, scale = SATURATING[dtype]
+    w, x = jnp.eye(4) * 0.5, jnp.full((4, 4), 2.0)
+    loss = lambda w, x: jnp.sum((1.0 - x @ w) * MOVES[move](fill) * scale)  # noqa: E731
+    ref = jax.grad(loss)(w, x)
+    assert np.isfinite(ref).all() and float(jnp.min(jnp.abs(ref))) > 1e3
+    rtol = 4 * float(jnp.finfo(dtype).eps)
+    got = jax.grad(jr.rewrite(loss, dtype=dtype))(w, x)
+    np.testing.assert_allclose(got, ref, rtol=rtol)
+    if move in ("broadcast_in_dim", "concatenate", "flip_call"):  # the other order, in turn
+        np.testing.assert_allclose(jr.rewrite(jax.grad(loss), dtype=dtype)(w, x), ref, rtol=rtol)

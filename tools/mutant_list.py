@@ -1878,4 +1878,69 @@ MUTANTS: tuple[Mutant, ...] = (
         R29_COMPARE,
         "compare's norm error is at least the max-relative error (a copy-paste of rel for norm)",
     ),
+    # -- issue 36 item 4 (branch ``pins``): the families an outside planted round found no
+    # test for, each pinned by the test named (planted by hand first, seen to fail).
+    _m(
+        "tangents.moves_hand_on_no_float32_value",
+        "tangents.py",
+        'HANDS_ON = MOVES_FIRST | {"convert_element_type", "concatenate", "pad", "select_n", "tile"}',
+        'HANDS_ON = frozenset({"convert_element_type", "concatenate", "pad", "select_n", "tile"})',
+        T_MASKS + "test_the_gradient_through_a_moved_fill_is_the_fills[broadcast_in_dim-float16]",
+        "[36.4a] a fill moved into half (jnp.broadcast_to(jnp.float32(-1e9), s)) hands no "
+        "float32 value on: grad(rewrite(f)) reads the clamped -65504 (0.4998 where float32 "
+        "gives 7629)",
+    ),
+    _m(
+        "emit.call_of_moves_no_float32_value",
+        "emit.py",
+        "            if rec.kind == ho.CALL:  # a call of moves (``jnp.flip``): float32 values too",
+        "            if False:  # a call of moves (``jnp.flip``): float32 values too",
+        T_MASKS + "test_the_gradient_through_a_moved_fill_is_the_fills[flip_call-float16]",
+        "[36.4a] a fill moved by a call (jnp.flip, jnp.where) hands no float32 value out of "
+        "it: the derivative reads the clamped -65504",
+    ),
+    _m(
+        "recurrences.reduce_prod_no_running_product",
+        "paint_recurrences.py",
+        '_RUNNING_PRODUCTS = ("cumprod", "reduce_prod")',
+        '_RUNNING_PRODUCTS = ("cumprod",)',
+        T_REC + "test_a_product_of_gates_is_a_coefficient",
+        "[36.4b] a coefficient taken as jnp.prod of gates is rounded where it is computed "
+        "(bf16 6.2e-2 off float32, 7.7e-3 by hand)",
+    ),
+    _m(
+        "fp8.none_warning_counts_every_matmul",
+        "fp8.py",
+        '    parts = [f"{reasons.count(r)} x {r}"',
+        '    parts = [f"{len(reasons)} x {r}"',
+        T_FP8B + "test_the_warning_counts_each_reason",
+        "[36.4c] Fp8NoneSelectedWarning counts every matmul for each reason ('2 x the first "
+        "weight GEMM')",
+    ),
+    _m(
+        "fp8.shard_map_values_not_named",
+        "fp8.py",
+        "CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)",
+        "CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP)",
+        T_FP8B + "test_the_gradient_gemms_of_a_forward_in_shard_map_run_in_float8",
+        "[36.4c] rewrite(grad(f)) of a forward inside shard_map: its gradient GEMMs are not "
+        "paired with the float8 forward ones (4 float8 GEMMs -> 0)",
+    ),
+    _m(
+        "cli.compare_tolerance_ignored",
+        "cli.py",
+        "            tolerance=args.tolerance,",
+        "            tolerance=0.05,",
+        "tests/test_cli.py::test_compare_uses_the_tolerance_given",
+        "[36.4d] compare --tolerance 1e-9 is silently ignored (0.05 used)",
+    ),
+    _m(
+        "cli.tolerance_unchecked",
+        "cli.py",
+        "        type=_tolerance,",
+        "        type=float,",
+        "tests/test_cli.py::test_compare_refuses_a_bad_tolerance",
+        "[36.4d] compare --tolerance 0 fails only after the inputs are built, 'abc' without "
+        "saying what is allowed",
+    ),
 )

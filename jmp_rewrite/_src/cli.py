@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -162,6 +163,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 1
     demo.run_demo(config)
     return 0
+
+
+def _tolerance(text: str) -> float:
+    """``--tolerance``: a positive finite relative error (``compare``'s own check, made
+    before the inputs are built, as a usage error naming the value)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number (a relative error, e.g. 1e-3), got {text!r}"
+        )
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -387,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inputs(c, demo.DTYPES)
     c.add_argument(
         "--tolerance",
-        type=float,
+        type=_tolerance,
         default=None,
         help="relative-error tolerance (default: 1e-2 for float16, 5e-2 for bfloat16)",
     )

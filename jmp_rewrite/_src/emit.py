@@ -300,7 +300,9 @@ class Emitter:
         else:
             control = self.controller()
             method = getattr(control, _METHODS.get(rec.kind, rec.kind))
-            outs = method(self, eqn, rec, self.operands(eqn, rec, read))
+            outs = method(self, eqn, rec, ins := self.operands(eqn, rec, read))
+            if rec.kind == ho.CALL:  # a call of moves (``jnp.flip``): float32 values too
+                self.unsaturated.hand_on(eqn, outs, ins, self._saturated(eqn, rec, read, ins))
         if rec.node is not None:
             self.hooks.value(self, eqn, rec, outs)
         return outs
@@ -520,7 +522,7 @@ class Emitter:
             outs = bind(eqn, [operand], params)
             narrowed = is_float(jnp.result_type(raw)) and not _fits(jnp.result_type(raw), self.half)
             true = self.unsaturated.value(eqn.invars[0], raw, clamped or big, narrowed)
-            self.unsaturated.hand_on(eqn, outs[0], [operand], true)
+            self.unsaturated.hand_on(eqn, outs, [operand], [true])
             return outs
         if accumulates_in_float32(eqn, half):
             # The float32 sum is kept: half-precision readers cast it (once), float32
@@ -547,7 +549,7 @@ class Emitter:
             big = [self._big(rec, i) for i in range(len(eqn.invars))]
             outs = [self.flags.pinned(eqn, invals, big, outs[0])]  # see ``masking``
         if half and saturated:
-            self.unsaturated.hand_on(eqn, outs[0], invals, saturated[0])
+            self.unsaturated.hand_on(eqn, outs, invals, saturated)
         return outs
 
     def _scatter(self, eqn: Any, invals: list[Any]) -> Any:

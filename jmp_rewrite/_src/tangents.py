@@ -14,6 +14,7 @@ Two kinds of half equation get their derivative from float32 instead (``float32_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src import shapes
 from jmp_rewrite._src.custom_rules import cast
 from jmp_rewrite._src.equations import is_float
-from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.masking import MOVES_FIRST, SCALE_FREE_TANGENTS
 from jmp_rewrite._src.origins import beyond
 
@@ -35,6 +36,13 @@ from jmp_rewrite._src.origins import beyond
 #: bias). Differentiating the rewritten program (``jax.grad(rewrite(f))``) would accumulate
 #: them in half precision.
 TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")
+
+
+#: Equations whose result, where an operand saturated, stands for the same equation of the
+#: operands' float32 values (see :meth:`Unsaturated.hand_on`): casts, moves and choices of
+#: elements, whichever operand moved (``concatenate``, ``pad``, ``select_n`` read several).
+HANDS_ON = MOVES_FIRST | {"convert_element_type", "concatenate", "pad", "select_n", "tile"}
+HANDS_ON |= {"dynamic_update_slice"}
 
 
 def transpose_accumulates(eqn: Any, const: Sequence[bool]) -> bool:
@@ -78,14 +86,41 @@ class Unsaturated:
             return value
         return raw if narrowed else None
 
-    def hand_on(self, eqn: Any, out: Any, invals: Sequence[Any], first: Any) -> None:
-        """A half cast or move ``eqn`` of an operand of float32 value ``first`` (None: none
-        saturated): ``out`` stands for the same equation of ``first``."""
-        name = eqn.primitive.name
-        if first is None or (name != "convert_element_type" and name not in MOVES_FIRST):
+    def hand_on(self, eqn: Any, outs: Sequence[Any], invals: Sequence[Any], saturated: Any) -> None:
+        """A half cast, move or choice ``eqn`` (:data:`HANDS_ON`, or a call of only those) of
+        operands ``invals``, of float32 values ``saturated`` where half saturated them (None
+        elsewhere; None: none did): its half outputs ``outs`` stand for the same equation of
+        the float32 values, its other float operands cast back to the program's dtypes (a
+        ``concatenate`` of a fill and a computed value, a ``pad`` by a fill, ``jnp.flip``'s
+        call)."""
+        if not saturated or all(s is None for s in saturated) or not hands_on(eqn):
             return
-        rest = list(invals[1:])  # not bound unless read: most casts are never differentiated
-        self._of[id(out)] = (out, lambda: bind(eqn, [first, *rest], eqn.params)[0])
+
+        def up(atom: Any, v: Any, s: Any) -> Any:  # in the program's dtype (a call's body's)
+            if s is not None:
+                return s
+            return cast(v, atom.aval.dtype) if is_float(jnp.result_type(v)) else v
+
+        bound: list[Any] = []
+
+        def value(k: int) -> Any:  # not bound unless read: most casts are never differentiated
+            if not bound:
+                ups = [up(*t) for t in zip(eqn.invars, invals, saturated, strict=True)]
+                bound.extend(ho.bind(eqn, ups, eqn.params))
+            return bound[k]
+
+        for k, out in enumerate(outs):
+            if is_float(jnp.result_type(out)) and jnp.result_type(out) != np.float32:
+                self._of[id(out)] = (out, functools.partial(value, k))
+
+
+def hands_on(eqn: Any) -> bool:
+    """Whether ``eqn`` is one of :data:`HANDS_ON` or a call whose body is only those."""
+    name = eqn.primitive.name
+    if name in HANDS_ON:
+        return True
+    layout = ho.describe(eqn)
+    return layout is not None and layout.kind == ho.CALL and all(map(hands_on, layout.inner().eqns))
 
 
 def reads_magnitude(eqn: Any) -> bool:
@@ -107,10 +142,10 @@ def float32_tangents(
     true = [i for i, s in enumerate(saturated or ()) if s is not None]
 
     def call(*args: Any) -> Any:
-        return bind(eqn, list(args[:n]), params)[0]
+        return ho.bind(eqn, list(args[:n]), params)[0]
 
     def call32(*args: Any) -> Any:  # the program's own equation, in float32
-        return bind(eqn, list(args), eqn.params)[0]
+        return ho.bind(eqn, list(args), eqn.params)[0]
 
     fun = jax.custom_jvp(call)
 
