@@ -461,12 +461,14 @@ def test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason():
         # of batch 2 may be differentiated; one made from an integer mask cannot be
         forward = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
         assert len(_selection(forward, q, k, v, b).fused) == fused
-    from_ints = jmp_rewrite.rewrite(
+    # a padding mask (over batch and keys only), from an integer or a float mask: fused
+    padding = jmp_rewrite.rewrite(
         lambda q, k, v, m: att(q, k, v, (1.0 - m[:, None, None, :]) * FMIN),
         dtype=BF16,
         fuse_attention=True,
     )
-    assert len(_selection(from_ints, q, k, v, PAD).fused) == 1
+    for m in (PAD, PAD.astype(jnp.float32)):
+        assert len(_selection(padding, q, k, v, m).fused) == 1
 
 
 # -- rows left without keys -------------------------------------------------------------

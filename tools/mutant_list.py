@@ -1774,7 +1774,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "attention.cudnn_bias_gradient_forward_only",
         "attention.py",
-        "            if _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):",
+        "            if learned and _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):",
         "            if False:",
         T_ATT + "test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason",
         "grad(rewrite(f)): a float bias input of batch 2 fused, which JAX then differentiates "

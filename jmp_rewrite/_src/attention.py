@@ -395,8 +395,12 @@ def _fuse(graph, painting, view, core, cache, consts_top, scope):
     inputs = _inputs(view, core)
     why = _closed(view, core.eqns, {core.o})
     if not why:
-        for b in core.biases:  # JAX differentiates the fused call: a bias it may reach
-            if _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):
+        # JAX differentiates the fused call: a learned bias it may reach (over the queries
+        # or heads; one over batch and keys only is a padding mask, never trained)
+        heads = len(core.batch) - 1 if len(core.batch) > 1 else None
+        for b in core.biases:
+            learned = any(lab in ("t", heads) for lab in b.dims if lab is not None)
+            if learned and _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):
                 raise Unfused(
                     f"its bias of batch {_bias_batch(core, b)} is computed from the function's "
                     "float inputs, which JAX may differentiate: cuDNN computes a bias's gradient "
