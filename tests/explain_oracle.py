@@ -15,7 +15,12 @@ module counts the same things another way, from the jaxpr alone:
   once, as explain documents (its trip count is not static), and so does XLA, which counts
   every loop body once;
 * shares from the equations' colours and float8 formats, the summary's percentages parsed
-  from its text.
+  from its text;
+* fused attentions (``fuse_attention=True``, issue 36): each unit's bytes saved are shown on
+  one row, its values matmul (a forward ``dot_general`` reading the logits-sized
+  probabilities, not writing them), and lie between the bytes of its logits-sized
+  intermediates and those of all its equations' outputs, each at the size the rewrite gives
+  it (half: 2 bytes); the summary's count and total are those of the rows.
 
 :func:`problems` lists every disagreement; the painting goldens run it on every painting of
 the corpus (``tests/test_goldens.py``).
@@ -29,6 +34,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -182,6 +188,7 @@ def problems(closed: Any, report: Any) -> list[str]:
                 out.append(f"float8/half/float32 shares {shares} (counted {counted})")
     elif m is not None:
         out.append("a float8 line in the summary of a program without float8 FLOPs")
+    out += _fused_attention_problems(report)
     for by in ("scope", "primitive"):
         groups = report.groups(by)
         if sum(g.total.flops for g in groups) != total:
@@ -192,4 +199,64 @@ def problems(closed: Any, report: Any) -> list[str]:
                 out.append(
                     f"group {g.key!r} by {by}: float8/half/float32 split {split} of {g.total.flops}"
                 )
+    return out
+
+
+_FUSED_LINE = re.compile(r"fused attention: (\d+) \(([\d,]+) bytes")
+
+
+def _itemsize(dtype: str) -> int:
+    return int(np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize)
+
+
+def _float_bytes(e: Any) -> int:
+    return sum(
+        math.prod(shape) * _itemsize(dtype)
+        for shape, dtype in zip(e.out_shapes, e.out_dtypes_after, strict=True)
+        if dtype.startswith(("float", "bfloat"))
+    )
+
+
+def _fused_attention_problems(report: Any) -> list[str]:
+    """Explain's bytes saved by each fused attention against a count of its rows."""
+    out: list[str] = []
+    units: dict[str, list[Any]] = collections.defaultdict(list)
+    for e in report.equations:
+        if e.attention:
+            units[e.attention].append(e)
+        elif e.attention_saved:
+            out.append(f"{e.path}: bytes saved on a row of no fused attention")
+    total = 0
+    for name, rows in units.items():
+        shown = [e for e in rows if e.attention_saved]
+        if len(shown) != 1:
+            out.append(f"{name}: bytes saved shown on {len(shown)} rows, not one")
+            continue
+        row, saved = shown[0], shown[0].attention_saved
+        total += saved
+        qk = next((e for e in rows if e.primitive == "dot_general"), None)
+        logits = math.prod(qk.out_shapes[0]) if qk is not None else 0
+        if (
+            row.primitive != "dot_general"
+            or row.phase != "forward"
+            or row is qk
+            or not any(math.prod(s) == logits for s in row.in_shapes)
+        ):
+            out.append(f"{name}: bytes saved shown on {row.path}, not its values matmul")
+        everything = sum(_float_bytes(e) for e in rows if e is not row)
+        big = sum(
+            _float_bytes(e)
+            for e in rows
+            if e is not row and any(math.prod(s) == logits for s in e.out_shapes)
+        )
+        if not big <= saved <= everything:
+            out.append(
+                f"{name}: {saved} bytes saved, not between its logits-sized intermediates' "
+                f"{big} and its equations' {everything} (at their painted sizes)"
+            )
+    m = _FUSED_LINE.search(report.summary())
+    if units and (
+        m is None or (int(m.group(1)), int(m.group(2).replace(",", ""))) != (len(units), total)
+    ):
+        out.append(f"summary's fused attention line, counted {len(units)} ({total} bytes)")
     return out

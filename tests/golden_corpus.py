@@ -693,3 +693,12 @@ def sampled_wider_programs(n: int, seed: int = 2929) -> list[Any]:
 
 
 FAMILIES["rules"] = rules
+
+
+# ------------------------------------------------------------------------------------------
+# attention: fuse_attention=True, the spellings fused and those left (tests/golden_attention.py)
+# ------------------------------------------------------------------------------------------
+
+import golden_attention  # noqa: E402
+
+FAMILIES["attention"] = golden_attention.attention

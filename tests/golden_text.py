@@ -76,6 +76,7 @@ class Config:
     level: str | None = None
     lists: Any = None
     env: tuple[tuple[str, str], ...] = ()
+    fuse_attention: bool = False
     #: a short name for the header when lists/env/fp8 rules need one
     tag: str = ""
 
@@ -85,6 +86,8 @@ class Config:
             parts.append("fp8")
         elif self.fp8:
             parts.append("fp8-rules")
+        if self.fuse_attention:
+            parts.append("fused")
         if not self.infer_follows_allow:
             parts.append("tf2.19")
         if self.level:
@@ -210,7 +213,12 @@ def paint(closed: Any, config: Config) -> Painted:
     """``closed`` painted as ``rewrite`` with ``config`` paints it, and explain's report."""
     with _environment(config.env):
         rc = settings_lib.resolve_config(
-            config.dtype, config.lists, config.level, config.infer_follows_allow, config.fp8
+            config.dtype,
+            config.lists,
+            config.level,
+            config.infer_follows_allow,
+            config.fp8,
+            config.fuse_attention,
         )
     graph, painting = rewrite_lib.analyse(closed, rc)
     entry = rewrite_lib.Rewritten(closed, graph, painting, rc, None)
@@ -297,6 +305,12 @@ def render(p: Painted) -> list[str]:
             extra.append(f"fp8 {e.float8} {d.role}{' fast' if d.fast_accum else ''}")
         elif e.float8_left:
             extra.append(f"fp8-left {e.float8_left}")
+        if e.attention:
+            number = e.attention.split(":")[0].rsplit(" ", 1)[-1]
+            saved = f" saves {e.attention_saved:,} B" if e.attention_saved else ""
+            extra.append(f"att#{number}{saved}")
+        elif e.attention_left:
+            extra.append(f"att-left {e.attention_left}")
         if e.flops:
             extra.append(f"flops {e.flops:,}" + (f" (x{e.trips})" if e.trips != 1 else ""))
         if e.released_by:

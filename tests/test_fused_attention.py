@@ -47,7 +47,7 @@ def calls(monkeypatch):
     real = jax.nn.dot_product_attention
 
     def counting(*args, **kwargs):
-        seen.append(kwargs.get("implementation"))
+        seen.append((kwargs.get("implementation"), *(tuple(a.shape) for a in args[:2])))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", counting)
@@ -68,10 +68,16 @@ def test_models_fuse_forward_and_backward_within_hand_written_error(name, calls)
     def vg(dtype=None):
         return jax.value_and_grad(lambda p, b: loss(p, b, dtype))
 
-    ref = jax.jit(vg())(params, batch)
-    hand = jax.jit(vg(BF16))(params, batch)
     step = jmp_rewrite.rewrite(vg(), dtype=BF16, fuse_attention=True)
     sel = _selection(step, params, batch)
+    if name == "t5":  # its learned bias plus the padding: a bias of batch 3, differentiated
+        inner = jmp_rewrite.rewrite(loss, dtype=BF16, fuse_attention=True)
+        for left in (sel, _selection(inner, params, batch)):
+            assert not left.fused and left.left
+            assert all("for batch 1 only (jax issue 30593)" in r for r in left.left.values())
+        return
+    ref = jax.jit(vg())(params, batch)
+    hand = jax.jit(vg(BF16))(params, batch)
     assert sel.fused and not sel.left
     assert all(f.backward_at is not None for f in sel.fused)
     calls.clear()
@@ -113,6 +119,10 @@ def _einsum(q, k):
 
 def _out(p, v):
     return jnp.einsum("bhts,bshd->bthd", p, v)
+
+
+def _keys_first(q, k):  # the logits' dot_general(k, q): (b, h, s, t), then transposed
+    return jnp.swapaxes(k.transpose(0, 2, 1, 3) @ q.transpose(0, 2, 3, 1), -1, -2)
 
 
 SPELLINGS = {
@@ -206,6 +216,12 @@ SPELLINGS = {
         ),
         "bias",
     ),
+    # the keys as the logits matmul's first operand ((k q^T)^T; einsum would put the queries
+    # first): fused with the queries as queries (taken the other way round: error 0.32)
+    "keys_first": (
+        lambda q, k, v, m: _out(jax.nn.softmax(jnp.where(TRIL, _keys_first(q, k), FMIN)), v),
+        "causal",
+    ),
     # GQA: one key/value head repeated for both query heads
     "gqa_repeat": (
         lambda q, k, v, m: _out(
@@ -286,6 +302,173 @@ class _custom_jvp_softmax:
 
     def __exit__(self, *exc):
         jax.config.update("jax_softmax_custom_jvp", self.old)
+
+
+# -- grouped-query attention as MaxText and Gemma write it -----------------------------------
+
+KV = 2
+
+
+def _grouped(q, k, v, m):
+    """Queries reshaped to (kv heads, group), no repeat of the keys and values (MaxText's
+    ``BTKGD,BSKD->BKGTS``, Gemma's grouped einsum), a causal mask and a padding mask."""
+    b, t, h, d = q.shape
+    s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, KV, h // KV, d), k) * d**-0.5
+    s = jnp.where(TRIL & (m[:, None, None, None, :] > 0), s, FMIN)
+    return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s), v).reshape(b, t, h, d)
+
+
+@pytest.mark.parametrize("dtype", [BF16, jnp.float16], ids=["bf16", "f16"])
+def test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads(dtype, calls):
+    """GQA without ``repeat``: one fused call, given the keys and values with their own two
+    heads for the queries' four (``jax.nn.dot_product_attention`` takes GQA natively), forward
+    and backward, within the unfused rewrite's error of float32."""
+    rng = np.random.default_rng(16)
+    q = jnp.asarray(rng.standard_normal((B, T, 2 * KV, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, KV, D)), jnp.float32) for _ in range(2))
+    fn = jmp_rewrite.rewrite(_grouped, dtype=dtype, fuse_attention=True)
+    sel = _selection(fn, q, k, v, PAD)
+    assert len(sel.fused) == 1 and not sel.left, sel.left
+    core = sel.fused[0].core
+    assert core.group == 2 and core.causal and core.masks and core.guard_mask
+    calls.clear()
+    jax.make_jaxpr(fn)(q, k, v, PAD)  # the traced program calls it, K/V with their 2 heads
+    assert calls == [(None, (B, T, 2 * KV, D), (B, T, KV, D))]
+    want = _grouped(q, k, v, PAD)
+    got = jax.jit(fn)(q, k, v, PAD)
+    plain = jmp_rewrite.rewrite(_grouped, dtype=dtype)(q, k, v, PAD)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    assert _rel(got, want) <= 1.1 * _rel(plain, want) + 1e-3
+
+    grad = jax.grad(lambda *a: jnp.sum(jnp.tanh(_grouped(*a)) * jnp.arange(D)), argnums=(0, 1, 2))
+    step = jmp_rewrite.rewrite(grad, dtype=dtype, fuse_attention=True)
+    sel = _selection(step, q, k, v, PAD)
+    assert len(sel.fused) == 1 and sel.fused[0].backward_at is not None, sel.left
+    ref = grad(q, k, v, PAD)
+    plain = jmp_rewrite.rewrite(grad, dtype=dtype)(q, k, v, PAD)
+    assert _rel(jax.jit(step)(q, k, v, PAD), ref) <= 1.1 * _rel(plain, ref) + 1e-3
+
+
+def test_a_mask_that_differs_between_the_heads_of_a_group_is_left():
+    rng = np.random.default_rng(17)
+    q = jnp.asarray(rng.standard_normal((B, T, 2 * KV, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, T, KV, D)), jnp.float32) for _ in range(2))
+    per_head = jnp.asarray(rng.random((KV, 2, T, T)) > 0.2)
+
+    def att(q, k, v):
+        s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(B, T, KV, 2, D), k)
+        p = jax.nn.softmax(jnp.where(per_head, s, FMIN))
+        return jnp.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, 2 * KV, D)
+
+    sel = _selection(jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True), q, k, v)
+    assert not sel.fused and ["query heads of a group" in r for r in sel.left.values()] == [True]
+
+
+# -- cuDNN's known traps, guarded in the emitted program (its cuDNN branch traced on CPU) -----
+
+
+@pytest.fixture
+def cudnn_args(monkeypatch):
+    """The arguments of each ``implementation='cudnn'`` call the rewrite emits: the cuDNN
+    branch of its ``lax.platform_dependent`` is traced as if a CUDA plugin were installed
+    (the call itself is JAX's own attention here, with the same arguments)."""
+    monkeypatch.setattr(attention_emit, "cudnn_traceable", lambda: True)
+    seen = []
+    real = jax.nn.dot_product_attention
+
+    def recording(q, k, v, bias=None, mask=None, **kw):
+        if kw.pop("implementation", None) == "cudnn":
+            seen.append(dict(q=q, k=k, v=v, bias=bias, mask=mask, **kw))
+        return real(q, k, v, bias=bias, mask=mask, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+    return seen
+
+
+def _traced(att, *args, argnums=None):
+    fn = att if argnums is None else jax.grad(lambda *a: jnp.sum(att(*a)), argnums=argnums)
+    return jax.make_jaxpr(jmp_rewrite.rewrite(fn, dtype=BF16, fuse_attention=True))(*args)
+
+
+def test_cudnn_gets_a_bias_of_the_queries_dtype(cudnn_args):
+    """A float32 bias with bfloat16 queries gives NaN gradients in cuDNN (jax issue 32242):
+    the bias is handed over in the queries' dtype."""
+    q, k, v = _qkv(18)
+    att = SPELLINGS["additive_finfo"][0]
+    _traced(att, q, k, v, PAD.astype(jnp.float32), argnums=(0, 1, 2))
+    (call,) = cudnn_args
+    assert call["q"].dtype == BF16 and call["bias"].dtype == BF16 and call["mask"] is None
+
+
+def test_cudnn_gets_a_padding_mask_at_both_sequence_lengths(cudnn_args):
+    """A ``(B, 1, 1, S)`` padding mask without a bias is refused by cuDNN ("Bias must have
+    same seq length", jax issue 28974): it is broadcast to ``(B, 1, T, S)``."""
+    q, k, v = _qkv(19)
+    _traced(SPELLINGS["where_data"][0], q, k, v, PAD)
+    (call,) = cudnn_args
+    assert call["bias"] is None and call["mask"].shape == (B, 1, T, T)
+
+
+@pytest.mark.parametrize(
+    "t, masked, padded",
+    [(64, True, 128), (192, True, 256), (64, False, 64), (96, True, 96), (9, True, 10)],
+    ids=["64-masked", "192-masked", "64-causal", "96-masked", "odd"],
+)
+def test_cudnn_lengths_64_mod_128_with_a_mask_are_padded_to_128(cudnn_args, t, masked, padded):
+    """NaN query gradients when ``T % 128 == 64`` with an explicit mask (pytorch issue
+    196678): such lengths are padded to a multiple of 128 (the padded keys masked by their
+    sequence length, the padded queries dropped), as odd ones are padded to even; a causal
+    attention without a mask tensor keeps its length."""
+    rng = np.random.default_rng(20)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, t, 1, 8)), jnp.float32) for _ in range(3))
+    m = jnp.asarray(np.arange(t) < t - 3, jnp.int32)[None]
+    tril = jnp.tril(jnp.ones((t, t), bool))
+
+    def att(q, k, v, m):
+        keep = (m[:, None, None, :] > 0) if masked else tril
+        return _out(jax.nn.softmax(jnp.where(keep, _einsum(q, k), FMIN)), v)
+
+    closed = _traced(att, q, k, v, m, argnums=(0, 1, 2))
+    (call,) = cudnn_args
+    assert call["q"].shape[1] == call["k"].shape[1] == padded
+    assert call["is_causal"] == (not masked)
+    if padded != t:
+        assert call["mask"].shape[-2:] == (padded, padded)
+        assert call["key_value_seq_lengths"].shape == (1,)  # one length per batch
+    else:
+        assert call["key_value_seq_lengths"] is None
+    assert [a.aval.shape for a in closed.jaxpr.outvars] == [(1, t, 1, 8)] * 3
+
+
+def test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason():
+    """cuDNN computes a bias's gradient for batch 1 only (jax issue 30593): a differentiated
+    bias of batch 2 is left as written, one of batch 1 (T5's relative positions) fused."""
+    q, k, v = _qkv(21)
+    rng = np.random.default_rng(21)
+
+    def att(q, k, v, b):
+        return _out(jax.nn.softmax(_einsum(q, k) + b), v)
+
+    for batch, fused in ((B, False), (1, True)):
+        b = jnp.asarray(rng.standard_normal((batch, H, T, T)), jnp.float32)
+        grad = jax.grad(lambda *a: jnp.sum(jnp.tanh(att(*a))), argnums=(0, 1, 2, 3))
+        sel = _selection(jmp_rewrite.rewrite(grad, dtype=BF16, fuse_attention=True), q, k, v, b)
+        assert len(sel.fused) == fused, sel.left
+        if not fused:
+            (why,) = sel.left.values()
+            assert "bias of batch 2: cuDNN computes a bias's gradient for batch 1 only" in why
+        # forward only (grad(rewrite(f)): JAX differentiates the call): a float bias input
+        # of batch 2 may be differentiated; one made from an integer mask cannot be
+        forward = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
+        assert len(_selection(forward, q, k, v, b).fused) == fused
+    # a padding mask (over batch and keys only), from an integer or a float mask: fused
+    padding = jmp_rewrite.rewrite(
+        lambda q, k, v, m: att(q, k, v, (1.0 - m[:, None, None, :]) * FMIN),
+        dtype=BF16,
+        fuse_attention=True,
+    )
+    for m in (PAD, PAD.astype(jnp.float32)):
+        assert len(_selection(padding, q, k, v, m).fused) == 1
 
 
 # -- rows left without keys -------------------------------------------------------------
@@ -389,10 +572,32 @@ def _computed_scale(q, k, v, m):
     return _out(jax.nn.softmax(_einsum(q, k) * jnp.sum(m) / 100.0), v)
 
 
+def _soft_capped(q, k, v, m):  # Gemma 2: tanh(s / c) * c before the mask
+    s = jnp.tanh(_einsum(q, k) * D**-0.5 / 50.0) * 50.0
+    return _out(jax.nn.softmax(jnp.where(TRIL, s, FMIN)), v)
+
+
 def _region(q, k, v, m):
     return jmp_rewrite.float32_region(lambda *a: _out(jax.nn.softmax(_einsum(*a[:2])), a[2]))(
         q, k, v
     )
+
+
+def _queries_axis(q, k, v, m):  # normalised over the queries: not attention (error 0.32 fused)
+    return _out(jax.nn.softmax(_einsum(q, k), axis=-2), v)
+
+
+def _bias_minus_logits(q, k, v, m):  # softmax(bias - s): fused as s - bias, error 1.49
+    return _out(jax.nn.softmax(m[:, None, None, :] * 2.0 - _einsum(q, k)), v)
+
+
+def _highest(q, k, v, m):  # the program asks float32 logits: painted float32, never fused
+    s = jnp.einsum("bthd,bshd->bhts", q, k, precision=jax.lax.Precision.HIGHEST)
+    return _out(jax.nn.softmax(s), v)
+
+
+def _plain(q, k, v, m):
+    return _out(jax.nn.softmax(_einsum(q, k)), v)
 
 
 BAIL_OUTS = {
@@ -402,7 +607,12 @@ BAIL_OUTS = {
     "bias_after_mask": (_bias_after_mask, "a bias is added after the mask", 16),
     "computed_scale": (_computed_scale, "scaled by a computed value", 16),
     "float32_region": (_region, "inside a float32_region", 16),
-    "head_dim_60": (lambda q, k, v, m: _out(jax.nn.softmax(_einsum(q, k)), v), "head dim 60", 60),
+    "head_dim_60": (_plain, "head dim 60", 60),
+    "head_dim_136": (_plain, "head dim 136: cuDNN's flash attention takes", 136),
+    "queries_axis": (_queries_axis, "softmax runs over axis 2 of the logits, not", 16),
+    "bias_minus_logits": (_bias_minus_logits, "the logits are subtracted from a value", 16),
+    "precision_highest": (_highest, "its matmuls are not painted half precision", 16),
+    "soft_capped": (_soft_capped, "soft-capped (tanh(s / c) * c, Gemma 2's): cuDNN's", 16),
 }
 
 
@@ -447,6 +657,114 @@ def test_weights_read_elsewhere_stay_as_written():
         sel = _selection(jmp_rewrite.rewrite(fn, dtype=BF16, fuse_attention=True), q, k, v)
         assert not sel.fused and len(sel.left) >= 1
         assert any("used elsewhere" in r or "leaves the function" in r for r in sel.left.values())
+
+
+@pytest.mark.parametrize("d", [128, 136])
+def test_head_dim_boundary(d):
+    """Head dim 128 is cuDNN's limit without a Hopper card detected: fused; 136 left."""
+    assert jc.cuda_attention_target() is None  # no card here
+    rng = np.random.default_rng(10)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 1, d)), jnp.float32) for _ in range(3))
+    fn = jmp_rewrite.rewrite(_plain, dtype=BF16, fuse_attention=True)
+    sel = _selection(fn, q, k, v, None)
+    assert len(sel.fused) == (d <= 128), sel.left
+    if d > 128:
+        assert [f"head dim {d}" in r for r in sel.left.values()] == [True]
+    want = _plain(q, k, v, None)
+    plain = jmp_rewrite.rewrite(_plain, dtype=BF16)(q, k, v, None)
+    assert _rel(fn(q, k, v, None), want) <= 1.5 * _rel(plain, want) + 1e-3
+
+
+@pytest.mark.parametrize(
+    "target, fused",
+    [(((9, 0), (9, 5)), True), (((9, 0), (9, 4)), False), (((8, 0), (9, 8)), False), (None, False)],
+    ids=["hopper-9.5", "hopper-9.4", "ampere", "none"],
+)
+def test_head_dims_up_to_256_on_hopper_with_cudnn_9_5(monkeypatch, target, fused):
+    """Head dim 256 (Gemma 2's 27B, some ViTs): fused only where a Hopper card with cuDNN 9.5
+    or later is detected (jax's own limit there); elsewhere left, the reason saying why."""
+    monkeypatch.setattr(jc, "cuda_attention_target", lambda: target)
+    rng = np.random.default_rng(15)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 4, 1, 256)), jnp.float32) for _ in range(3))
+    sel = _selection(jmp_rewrite.rewrite(_plain, dtype=BF16, fuse_attention=True), q, k, v, None)
+    assert len(sel.fused) == fused
+    if not fused:
+        (why,) = sel.left.values()
+        assert "head dim 256" in why and "up to 128 (256 on Hopper with cuDNN 9.5" in why
+
+
+def test_gradient_of_queries_and_keys_only_with_a_float_bias_fuses_its_backward():
+    """``rewrite(grad(f, argnums=(0, 1)))`` with a float bias input neither differentiated:
+    forward and backward are found (the queries and keys differentiated, the values and the
+    bias frozen)."""
+    q, k, v = _qkv(11)
+    bias = jnp.asarray(np.random.default_rng(11).standard_normal((B, 1, 1, T)), jnp.float32)
+
+    def att(q, k, v, b):
+        return _out(jax.nn.softmax(_einsum(q, k) * D**-0.5 + b), v)
+
+    grad = jax.grad(lambda *a: jnp.sum(jnp.tanh(att(*a)) * jnp.arange(D)), argnums=(0, 1))
+    step = jmp_rewrite.rewrite(grad, dtype=BF16, fuse_attention=True)
+    sel = _selection(step, q, k, v, bias)
+    assert len(sel.fused) == 1 and not sel.left, sel.left
+    f = sel.fused[0]
+    assert f.backward_at is not None and f.diff == (f.core.q, f.core.k)
+    ref = grad(q, k, v, bias)
+    plain = jmp_rewrite.rewrite(grad, dtype=BF16)(q, k, v, bias)
+    assert _rel(jax.jit(step)(q, k, v, bias), ref) <= 1.1 * max(_rel(plain, ref), 5e-3)
+
+
+def test_float16_runs_off_cuda_in_float32():
+    """Off CUDA the fused call is JAX's own attention, whose float16 logits XLA:CPU refuses
+    to compile (the F16_F16_F32 dot algorithm): float16 runs it in float32 there."""
+    att = SPELLINGS["where_data"][0]
+    q, k, v = _qkv(12)
+    fn = jmp_rewrite.rewrite(att, dtype=jnp.float16, fuse_attention=True)
+    assert len(_selection(fn, q, k, v, PAD).fused) == 1
+    got = jax.jit(fn)(q, k, v, PAD)
+    assert got.dtype == jnp.float32 and _rel(got, att(q, k, v, PAD)) < 2e-3
+
+
+def test_a_mask_of_an_attention_without_heads_is_placed_on_its_batch():
+    """``(B, T, S)`` logits (no heads dim) and a ``(B, T, S)`` mask of the data, T != S:
+    the mask is the batch's ``(B, 1, T, S)``, not a heads' one."""
+    rng = np.random.default_rng(13)
+    t, s = 8, 12
+    q = jnp.asarray(rng.standard_normal((B, t, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, s, D)), jnp.float32) for _ in range(2))
+    m = jnp.asarray(rng.random((B, t, s)) > 0.3).at[:, :, 0].set(True)
+
+    def att(q, k, v, m):
+        return jax.nn.softmax(jnp.where(m, q @ jnp.swapaxes(k, -1, -2), -1e9)) @ v
+
+    fn = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
+    sel = _selection(fn, q, k, v, m)
+    assert len(sel.fused) == 1 and sel.fused[0].core.batch == (B,)
+    want = att(q, k, v, m)
+    plain = jmp_rewrite.rewrite(att, dtype=BF16)(q, k, v, m)
+    assert _rel(fn(q, k, v, m), want) <= 1.1 * _rel(plain, want)
+
+
+def test_explain_counts_the_bytes_saved_at_their_painted_size_on_the_values_matmul():
+    """The bytes a fused attention does not write: each replaced equation's outputs (the
+    logits, the softmax's steps) at the size the rewrite gives them (half: 2 bytes, float32:
+    4), the output itself (the values matmul's) excluded; shown on the values matmul's row."""
+    att = SPELLINGS["where_data"][0]
+    q, k, v = _qkv(14)
+    report = jmp_rewrite.explain(att, q, k, v, PAD, dtype=BF16, fuse_attention=True)
+    rows = [e for e in report.equations if e.attention]
+    shown = [e for e in rows if e.attention_saved]
+    assert len(shown) == 1 and shown[0].primitive == "dot_general"
+    assert (B, H, T, T) in shown[0].in_shapes  # the probabilities' matmul, not the logits'
+    counted = sum(
+        math.prod(shape) * jnp.dtype(dtype).itemsize
+        for e in rows
+        if e is not shown[0]
+        for shape, dtype in zip(e.out_shapes, e.out_dtypes_after, strict=True)
+        if jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    )
+    assert {d for e in rows for d in e.out_dtypes_after} >= {"bfloat16", "float32"}
+    assert shown[0].attention_saved == counted
 
 
 # -- the API ------------------------------------------------------------------------------

@@ -1628,6 +1628,184 @@ MUTANTS: tuple[Mutant, ...] = (
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[jnp_sqrt_on_logits]",
         "a scale the program computes from constants (s / jnp.sqrt(d)) taken for a computed one",
     ),
+    # -- issue 36 (4): fused attention's families pinned (meaning, guards, the call, explain)
+    _m(
+        "attention.softmax_axis_not_checked",
+        "attention_match.py",
+        '            if labels[axis] == "s" and labels.count("t") == 1:',
+        '            if labels.count("t") == 1:',
+        T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[keys_first]",
+        "keys as the logits matmul's first operand taken for the queries: attention the wrong "
+        "way round (error 0.003 -> 0.32)",
+    ),
+    _m(
+        "attention.softmax_over_the_queries_unchecked",
+        "attention_match.py",
+        "        if tuple(contracted) != (axis,):",
+        "        if False:",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[queries_axis]",
+        "a softmax over the queries axis is not named as such (the values matmul's layout "
+        "check still refuses it, with a reason about dimension numbers)",
+    ),
+    _m(
+        "attention.bias_minus_logits_as_logits_minus_bias",
+        "attention_match.py",
+        '            if name == "sub" and pos == 1:',
+        "            if False:",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[bias_minus_logits]",
+        "softmax(bias - s) fused as softmax(s - bias) (error 1.49)",
+    ),
+    _m(
+        "attention.head_dim_limit_exclusive",
+        "attention_match.py",
+        "    if d % HEAD_DIM_MULTIPLE or d > head_dim_max():",
+        "    if d % HEAD_DIM_MULTIPLE or d >= head_dim_max():",
+        T_ATT + "test_head_dim_boundary[128]",
+        "head dim 128 (cuDNN's limit) refused: the boundary off by one",
+    ),
+    _m(
+        "attention.half_painting_not_required",
+        "attention.py",
+        "        if node not in painting.allow:",
+        "        if False:",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[precision_highest]",
+        "a logits matmul asking precision=HIGHEST (painted float32) fused in bfloat16",
+    ),
+    _m(
+        "attention.queries_and_keys_alone_not_tried",
+        "attention.py",
+        "        tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [q, k], [v, *floats], [v]]",
+        "        tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [v, *floats], [v]]",
+        T_ATT + "test_gradient_of_queries_and_keys_only_with_a_float_bias_fuses_its_backward",
+        "rewrite(grad(f, argnums=(0, 1))) with a float bias: its backward not found, the "
+        "attention left unfused",
+    ),
+    _m(
+        "attention.float16_not_run_in_float32_off_cuda",
+        "attention_emit.py",
+        "        f16 = q.dtype == jnp.float16",
+        "        f16 = False",
+        T_ATT + "test_float16_runs_off_cuda_in_float32",
+        "JAX's attention in float16 off CUDA: XLA:CPU refuses the F16_F16_F32 dot",
+    ),
+    _m(
+        "attention.headless_batch_taken_for_heads",
+        "attention_emit.py",
+        "        return batch[0], 1",
+        "        return 1, batch[0]",
+        T_ATT + "test_a_mask_of_an_attention_without_heads_is_placed_on_its_batch",
+        "(B, T, S) attention: the batch taken for heads, its (B, 1, T, S) mask on the wrong side",
+    ),
+    _m(
+        "attention.saved_bytes_at_float32_size",
+        "attention.py",
+        "                        size = 2 if n in painting.allow else np.dtype(v.aval.dtype).itemsize",
+        "                        size = np.dtype(v.aval.dtype).itemsize",
+        (
+            T_ATT
+            + "test_explain_counts_the_bytes_saved_at_their_painted_size_on_the_values_matmul",
+            _GOLDENS + "[attention]",  # the explain oracle on the fused units
+        ),
+        "explain's bytes saved count half intermediates at their float32 size",
+    ),
+    _m(
+        "attention.saved_bytes_on_the_logits_row",
+        "explain.py",
+        "    if fused is not None and n.id == fused.scope.eqns[fused.core.pv].node:",
+        "    if fused is not None and n.id == fused.scope.eqns[fused.core.qk].node:",
+        (
+            T_ATT
+            + "test_explain_counts_the_bytes_saved_at_their_painted_size_on_the_values_matmul",
+            _GOLDENS + "[attention]",  # the explain oracle on the fused units
+        ),
+        "explain shows a fused attention's bytes saved on the logits matmul's row",
+    ),
+    # -- issue 36 (2): attention as MaxText and Gemma write it
+    _m(
+        "attention.group_taken_for_the_queries",
+        "attention_match.py",
+        '        labels[big[1]] = "g"\n        big = big[:1]',
+        '        labels[big[0]] = "g"\n        big = big[1:]',
+        T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
+        "grouped queries (b, t, kv, g, d): the group dim taken for the queries, the causal "
+        "mask's queries for a group",
+    ),
+    _m(
+        "attention.grouped_heads_batch_major",
+        "attention_emit.py",
+        '    x = arrange(x, labels, [*range(len(batch)), "g", length, "d"], jnp)',
+        '    x = arrange(x, labels, ["g", *range(len(batch)), length, "d"], jnp)',
+        T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
+        "grouped queries' heads laid out group-major over the batch: each query head paired "
+        "with another batch's keys",
+    ),
+    _m(
+        "attention.gqa_guard_mean_per_kv_head",
+        "attention_emit.py",
+        "        mean = jnp.repeat(mean, core.group, axis=2)  # (B, 1, N, D)",
+        "        pass",
+        T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
+        "a padded GQA attention's rows without keys: the values' mean per key/value head "
+        "broadcast against the query heads",
+    ),
+    _m(
+        "attention.soft_cap_not_named",
+        "attention_match.py",
+        '    if at.name == "tanh" and _chain(view, at.operand(0), depth + 1) is not None:',
+        "    if False:",
+        T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[soft_capped]",
+        "Gemma 2's soft-capped logits left with a reason that does not say soft-capping",
+    ),
+    # -- issue 36 (3): cuDNN's known traps, guarded in the emitted program
+    _m(
+        "attention.cudnn_bias_float32",
+        "attention_emit.py",
+        "    bias = None if bias is None else clamp(bias, half).astype(half)",
+        "    bias = None if bias is None else clamp(bias, half)",
+        T_ATT + "test_cudnn_gets_a_bias_of_the_queries_dtype",
+        "a float32 bias handed to cuDNN with bfloat16 queries: NaN gradients (jax #32242)",
+    ),
+    _m(
+        "attention.cudnn_padding_mask_not_broadcast",
+        "attention_emit.py",
+        "    return None if x is None else jnp.broadcast_to(x, (*x.shape[:2], t, s))",
+        "    return x",
+        T_ATT + "test_cudnn_gets_a_padding_mask_at_both_sequence_lengths",
+        "a (B, 1, 1, S) padding mask handed to cuDNN: 'Bias must have same seq length' (#28974)",
+    ),
+    _m(
+        "attention.cudnn_64_mod_128_not_padded",
+        "attention_emit.py",
+        "    if explicit and n % _TILE == _TILE // 2:",
+        "    if False:",
+        T_ATT + "test_cudnn_lengths_64_mod_128_with_a_mask_are_padded_to_128[64-masked]",
+        "T % 128 == 64 with a mask handed to cuDNN unpadded: NaN query gradients (pytorch #196678)",
+    ),
+    _m(
+        "attention.cudnn_bias_gradient_any_batch",
+        "attention.py",
+        "        if any(b.atom is a for a in diff) and _bias_batch(core, b) > 1:",
+        "        if False:",
+        T_ATT + "test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason",
+        "a bias of batch 2 differentiated by cuDNN, which computes batch 1's only (jax #30593)",
+    ),
+    _m(
+        "attention.cudnn_bias_gradient_forward_only",
+        "attention.py",
+        "            if learned and _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):",
+        "            if False:",
+        T_ATT + "test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason",
+        "grad(rewrite(f)): a float bias input of batch 2 fused, which JAX then differentiates "
+        "through cuDNN (batch 1's gradient only, jax #30593)",
+    ),
+    _m(
+        "attention.head_dim_256_without_cudnn_9_5",
+        "attention_match.py",
+        "    if found is not None and found[0] >= (9, 0) and found[1] >= (9, 5):",
+        "    if found is not None and found[0] >= (9, 0):",
+        T_ATT + "test_head_dims_up_to_256_on_hopper_with_cudnn_9_5[hopper-9.4]",
+        "head dim 256 fused on Hopper with cuDNN before 9.5, which refuses it",
+    ),
     _m(
         "emit.body_flags_shared",
         "emit.py",

@@ -197,3 +197,24 @@ def traceback_frames(eqn: Any) -> list[tuple[str, str, int, int, int, int]]:
         return out
     except Exception:  # pragma: no cover - older/newer jaxlib: line numbers only
         return [(f.file_name, f.function_name, f.line_num, -1, f.line_num, -1) for f in tb.frames]
+
+
+def cuda_attention_target() -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``((major, minor) compute capability, (major, minor) cuDNN version)`` of the first
+    local CUDA device, or None where there is none or either cannot be read (a deviceless
+    compile, a CPU). cuDNN's version comes from the CUDA plugin's ``_versions`` module
+    (``jax_cuda12_plugin``, ``jax_cuda13_plugin``), as ``cudnn_get_version()`` (90500)."""
+    import importlib
+
+    try:
+        device = jax.local_devices(backend="cuda")[0]
+        cc = tuple(int(x) for x in str(device.compute_capability).split(".")[:2])
+    except Exception:  # noqa: BLE001 - no CUDA backend, or no card
+        return None
+    for name in ("jax_cuda13_plugin._versions", "jax_cuda12_plugin._versions"):
+        try:
+            number = int(importlib.import_module(name).cudnn_get_version())
+        except Exception:  # noqa: BLE001 - not this plugin, or no such function
+            continue
+        return (cc[0], cc[1]), (number // 10000, number // 100 % 100)
+    return None

@@ -32,7 +32,8 @@ import numpy as np
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import shapes, source_info
 from jmp_rewrite._src.attention_joint import Unifier, forward_text, reference
-from jmp_rewrite._src.attention_match import Core, Unfused, arrange, mask_value, match
+from jmp_rewrite._src.attention_layout import arrange, mask_value
+from jmp_rewrite._src.attention_match import Core, Unfused, match
 from jmp_rewrite._src.attention_view import View
 from jmp_rewrite._src.equations import is_float
 from jmp_rewrite._src.higher_order import bind
@@ -353,6 +354,34 @@ def select(graph: Any, painting: Any) -> AttentionSelection:
     return sel
 
 
+def _bias_batch(core: Core, b: Any) -> int:
+    """The batch size of a bias as the fused call takes it, ``(B|1, N|1, T|1, S|1)``: its
+    dims over the logits' batch dims but the last (the heads; the only one: the batch)."""
+    nb = len(core.batch)
+    lead = range(nb - 1) if nb > 1 else range(nb)
+    shape = getattr(b.atom.aval, "shape", ())
+    return int(np.prod([shape[i] for i, lab in enumerate(b.dims) if lab in lead]))
+
+
+def _from_float_inputs(jaxpr: Any, atom: Any) -> bool:
+    """Whether ``atom`` is computed from a float input of ``jaxpr`` through equations that
+    pass a derivative (not through a cast from an integer or boolean, nor ``stop_gradient``)."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars if not jc.is_drop_var(v)}
+    inputs = {v for v in jaxpr.invars if is_float(v.aval.dtype)}
+    seen, todo = set(), [atom]
+    while todo:
+        a = todo.pop()
+        if jc.is_literal(a) or a in seen or not is_float(getattr(a.aval, "dtype", np.int32)):
+            continue
+        seen.add(a)
+        if a in inputs:
+            return True
+        e = producers.get(a)
+        if e is not None and e.primitive.name != "stop_gradient":
+            todo += list(e.invars)
+    return False
+
+
 def _fuse(graph, painting, view, core, cache, consts_top, scope):
     pv_node = scope.eqns[core.pv].node
     qk_node = scope.eqns[core.qk].node
@@ -366,6 +395,17 @@ def _fuse(graph, painting, view, core, cache, consts_top, scope):
     inputs = _inputs(view, core)
     why = _closed(view, core.eqns, {core.o})
     if not why:
+        # JAX differentiates the fused call: a learned bias it may reach (over the queries
+        # or heads; one over batch and keys only is a padding mask, never trained)
+        heads = len(core.batch) - 1 if len(core.batch) > 1 else None
+        for b in core.biases:
+            learned = any(lab in ("t", heads) for lab in b.dims if lab is not None)
+            if learned and _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):
+                raise Unfused(
+                    f"its bias of batch {_bias_batch(core, b)} is computed from the function's "
+                    "float inputs, which JAX may differentiate: cuDNN computes a bias's gradient "
+                    "for batch 1 only (jax issue 30593)"
+                )
         return core, core.eqns, None, None, (), ()
     found = _Joint(view, cache).find(core, inputs)
     if found is None:
@@ -374,6 +414,12 @@ def _fuse(graph, painting, view, core, cache, consts_top, scope):
             "(JAX's derivative of this forward) in the same jaxpr"
         )
     matched, g, diff, outs = found
+    for b in core.biases:
+        if any(b.atom is a for a in diff) and _bias_batch(core, b) > 1:
+            raise Unfused(
+                f"it differentiates a bias of batch {_bias_batch(core, b)}: cuDNN computes a "
+                "bias's gradient for batch 1 only (jax issue 30593)"
+            )
     why = _closed(view, matched, set(outs))
     if why:
         raise Unfused(why)

@@ -37,7 +37,8 @@ from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.attention import FusedAttention
-from jmp_rewrite._src.attention_match import Core, Side, arrange, mask_value, place
+from jmp_rewrite._src.attention_layout import arrange, mask_value, place
+from jmp_rewrite._src.attention_match import Core, Side
 from jmp_rewrite._src.clamping import clamp
 from jmp_rewrite._src.custom_rules import cast
 
@@ -51,10 +52,13 @@ def _heads(batch: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(batch[:-1]), batch[-1]
 
 
-def operand(x: Any, labels: tuple, length: str, batch: tuple[int, ...]) -> Any:
-    """Queries (``length="t"``), keys or values (``"s"``) as ``(B, L, N, D)``."""
-    x = arrange(x, labels, [*range(len(batch)), length, "d"], jnp)
-    x = x.reshape((*_heads(batch), *x.shape[-2:]))
+def operand(x: Any, labels: tuple, length: str, batch: tuple[int, ...], group: int = 1) -> Any:
+    """Queries (``length="t"``), keys or values (``"s"``) as ``(B, L, N, D)``; grouped
+    queries (GQA) with ``N = heads * group``, the heads of a group next to each other, as
+    ``jax.nn.dot_product_attention`` pairs them with fewer key/value heads."""
+    x = arrange(x, labels, [*range(len(batch)), "g", length, "d"], jnp)
+    b, n = _heads(batch)
+    x = x.reshape((b, n * group, *x.shape[-2:]))
     return jnp.swapaxes(x, 1, 2)
 
 
@@ -69,13 +73,29 @@ def side(x: Any, s: Side, core: Core) -> Any:
     lead = x.shape[: nb - 1]
     if any(d != 1 for d in lead):
         x = jnp.broadcast_to(x, (*core.batch[: nb - 1], *x.shape[nb - 1 :]))
-        return x.reshape((math.prod(core.batch[: nb - 1]), *x.shape[nb - 1 :]))
-    return x.reshape((1, *x.shape[nb - 1 :]))
+        x = x.reshape((math.prod(core.batch[: nb - 1]), *x.shape[nb - 1 :]))
+    else:
+        x = x.reshape((1, *x.shape[nb - 1 :]))
+    # a side per key/value head, for each query head of its group (GQA)
+    return jnp.repeat(x, core.group, axis=1) if x.shape[1] > 1 else x
 
 
 def _full_lengths(x: Any, t: int, s: int) -> Any:
     """cuDNN takes masks and biases with both sequence lengths (jax issue 28974)."""
     return None if x is None else jnp.broadcast_to(x, (*x.shape[:2], t, s))
+
+
+#: cuDNN's NaN query gradients with an explicit mask or bias at lengths ``64 mod 128``
+#: (pytorch issue 196678): those lengths are padded to the next multiple of 128.
+_TILE = 128
+
+
+def _padding(n: int, explicit: bool) -> int:
+    """The positions a sequence of length ``n`` gets for cuDNN: to a multiple of 128 where
+    ``n % 128 == 64`` with a mask or bias, else to an even length."""
+    if explicit and n % _TILE == _TILE // 2:
+        return _TILE // 2
+    return n % 2
 
 
 def _dpa(impl: str, core: Core, half: Any, q: Any, k: Any, v: Any, bias: Any, mask: Any) -> Any:
@@ -101,8 +121,9 @@ def _dpa(impl: str, core: Core, half: Any, q: Any, k: Any, v: Any, bias: Any, ma
     bias = None if bias is None else clamp(bias, half).astype(half)
     # cuDNN trains on even lengths only (jax 0.10-0.12 count a bias whenever training): an
     # odd length (ViT's 197 tokens) gets one more query and key, the key masked by its
-    # sequence length, the query row dropped (its mask row all True: never a NaN there).
-    tp, sp = t % 2, s % 2
+    # sequence length, the query row dropped (its mask row all True: never a NaN there);
+    # with a mask or bias, a length 64 mod 128 is padded to a multiple of 128 the same way.
+    tp, sp = (_padding(n, mask is not None or bias is not None) for n in (t, s))
     lengths = None
     if tp or sp:
         q, k, v = (
@@ -130,11 +151,11 @@ def attend(core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any
     """The attention ``core`` describes, on the program's arrays, in the P.V dot's layout."""
     half = np.dtype(half)
     q4, k4, v4 = (
-        operand(x, labels, length, core.batch).astype(half)
-        for x, labels, length in (
-            (q, core.q_labels, "t"),
-            (k, core.k_labels, "s"),
-            (v, core.v_labels, "s"),
+        operand(x, labels, length, core.batch, group).astype(half)
+        for x, labels, length, group in (
+            (q, core.q_labels, "t", core.group),
+            (k, core.k_labels, "s", 1),
+            (v, core.v_labels, "s", 1),
         )
     )
     bias = None
@@ -156,8 +177,8 @@ def attend(core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any
         out = _dpa("xla", core, half, *args)
     out = _guard(core, out, v4, mask)
     b, t, n, d = out.shape
-    out = jnp.swapaxes(out, 1, 2).reshape((*core.batch, t, d))
-    order = [*range(len(core.batch)), "t", "d"]
+    out = jnp.swapaxes(out, 1, 2).reshape((*core.batch, core.group, t, d))
+    order = [*range(len(core.batch)), "g", "t", "d"]
     return place(out, order, core.out_labels, tuple(core.o.aval.shape), jnp).astype(out_dtype)
 
 
@@ -174,7 +195,8 @@ def _guard(core: Core, out: Any, v4: Any, mask: Any) -> Any:
     if core.fill == -math.inf:
         fallback = jnp.full(out.shape, jnp.nan, jnp.float32)
     else:
-        mean = jnp.mean(v4.astype(jnp.float32), axis=1, keepdims=True)  # (B, 1, N, D)
+        mean = jnp.mean(v4.astype(jnp.float32), axis=1, keepdims=True)  # (B, 1, K, D)
+        mean = jnp.repeat(mean, core.group, axis=2)  # (B, 1, N, D)
         fallback = jnp.broadcast_to(mean, out.shape)
     return jnp.where(ok, out, fallback.astype(out.dtype))
 

@@ -30,10 +30,22 @@ from jmp_rewrite._src.attention_view import FOLDED, At, Val, View
 #: A mask fill at or below this zeroes the masked weights in float32 as a fused kernel's
 #: own mask does (``exp(fill - max)`` is 0 for any logit above ``fill + 104``).
 FILL_LIMIT = -1e4
-#: cuDNN flash attention's head dims: multiples of 8 up to 128 (256 on Hopper with a GPU
-#: attached; a deviceless compile knows no GPU and refuses above 128).
+#: cuDNN flash attention's head dims: multiples of 8 up to 128; up to 256 on Hopper (compute
+#: capability 9.0) with cuDNN 9.5 or later, when such a card is detected where the program
+#: is traced (a deviceless compile knows no GPU, and JAX refuses above 128 there).
 HEAD_DIM_MULTIPLE = 8
 HEAD_DIM_MAX = 128
+HEAD_DIM_MAX_HOPPER = 256
+
+
+def head_dim_max() -> int:
+    """The largest head dim fused: 256 where a Hopper card with cuDNN 9.5+ is detected."""
+    found = jc.cuda_attention_target()
+    if found is not None and found[0] >= (9, 0) and found[1] >= (9, 5):
+        return HEAD_DIM_MAX_HOPPER
+    return HEAD_DIM_MAX
+
+
 #: The elementwise steps allowed between the logits and the softmax.
 _STEPS = ("mul", "div", "add", "sub", "select_n", "convert_element_type")
 #: Data movement a mask or bias is followed back through.
@@ -46,7 +58,8 @@ class Unfused(Exception):
 
 
 #: A dim's meaning: a batch dim of the logits (its index), ``"t"`` (queries), ``"s"`` (keys),
-#: ``"d"`` (the head dim), or None (a dim of size 1 that means nothing).
+#: ``"d"`` (the head dim), ``"g"`` (the query heads sharing a key/value head, grouped-query
+#: attention as MaxText and Gemma write it), or None (a dim of size 1 that means nothing).
 Label = int | str | None
 
 
@@ -100,6 +113,8 @@ class Core:
     #: float32 sets it (uniform weights for a finite fill, NaN for -inf). A bias needs no
     #: such guard: added in float32, as the program adds it, it gives float32's value.
     guard_mask: bool = False
+    #: grouped-query attention: the query heads per key/value head (the queries' ``"g"`` dim)
+    group: int = 1
 
 
 def _same(view: View, a: Val, b: Val) -> bool:
@@ -177,6 +192,11 @@ def _chain(view: View, x: Val, depth: int = 0) -> tuple[At, list[tuple[At, int]]
         return (at, []) if at.ctx.parent is None else None
     if depth > _MAX_DEPTH:
         return None
+    if at.name == "tanh" and _chain(view, at.operand(0), depth + 1) is not None:
+        raise Unfused(
+            "its logits are soft-capped (tanh(s / c) * c, Gemma 2's): cuDNN's flash attention "
+            "has no soft-cap"
+        )
     if at.name in ("transpose", "reshape"):  # data movement (JAX's own attention has some)
         if at.name == "reshape" and _ones_moved(at) is None:
             return None
@@ -296,15 +316,19 @@ def sides(
     return [Side(atom, tuple(dims), test=test)]
 
 
-def _operand_labels(shape, contract, batch, free_label):
+def _operand_labels(shape, contract, batch, free_label, grouped=False):
     """Labels of a dot operand: its batch dims (0, 1, ...), its contracted head dim ``d``,
-    its one free dim of size > 1 (``free_label``); other free dims must be of size 1."""
+    its one free dim of size > 1 (``free_label``); other free dims must be of size 1. The
+    queries (``grouped``) may have a second, after it: the query heads of a group (``g``)."""
     labels: list[Label] = [None] * len(shape)
     for i, b in enumerate(batch):
         labels[b] = i
     labels[contract] = "d"
     free = [d for d in range(len(shape)) if d not in (*batch, contract)]
     big = [d for d in free if shape[d] != 1] or free[-1:]
+    if len(big) == 2 and grouped:
+        labels[big[1]] = "g"
+        big = big[:1]
     if len(big) != 1:
         return None
     labels[big[0]] = free_label
@@ -339,10 +363,11 @@ def _layouts(
     dv = v_shape[v_labels.index("d")]
     if d != dv:
         raise Unfused(f"the values' head dim ({dv}) differs from the queries' ({d})")
-    if d % HEAD_DIM_MULTIPLE or d > HEAD_DIM_MAX:
+    if d % HEAD_DIM_MULTIPLE or d > head_dim_max():
         raise Unfused(
             f"head dim {d}: cuDNN's flash attention takes multiples of {HEAD_DIM_MULTIPLE} up to "
-            f"{HEAD_DIM_MAX}"
+            f"{head_dim_max()} ({HEAD_DIM_MAX_HOPPER} on Hopper with cuDNN 9.5 or later, when "
+            "such a card is detected where the program is traced)"
         )
     for name, atom in (("queries", qa), ("keys", ka), ("values", v_atom)):
         if jc.is_literal(atom):
@@ -363,6 +388,7 @@ def _layouts(
         batch=tuple(batch),
         t=qa.aval.shape[qk_labels["q_labels"].index("t")],
         s=ka.aval.shape[qk_labels["k_labels"].index("s")],
+        group=qa.aval.shape[qk_labels["q_labels"].index("g")] if "g" in out_labels else 1,
     )
 
 
@@ -375,10 +401,10 @@ def _logits_labels(qk: At, s_side: int | None) -> tuple[list[Label], dict[str, A
             f"{qk.eqn.params['dimension_numbers']})"
         )
     lhs, rhs = (a.aval.shape for a in qk.eqn.invars[:2])
-    ll = _operand_labels(lhs, lc[0], lb, "t" if s_side == 1 else "s")
-    rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t")
+    ll = _operand_labels(lhs, lc[0], lb, "t" if s_side == 1 else "s", grouped=s_side == 1)
+    rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t", grouped=s_side == 0)
     if ll is None or rl is None:
-        raise Unfused("the queries or keys have more than one dim besides batch and head dims")
+        return None
     free_l = [ll[d] for d in range(len(lhs)) if d not in (*lc, *lb)]
     free_r = [rl[d] for d in range(len(rhs)) if d not in (*rc, *rb)]
     labels = [*range(len(lb)), *free_l, *free_r]
@@ -486,6 +512,12 @@ def match(view: View, pv_index: int) -> tuple[Core | None, list[At]]:
         if found is None:
             continue
         x, axis = found
+        contracted = pv.eqn.params["dimension_numbers"][0][p_pos]
+        if tuple(contracted) != (axis,):
+            raise Unfused(
+                f"the softmax runs over axis {axis} of the logits, not over the keys the values "
+                f"matmul contracts (axis {', '.join(map(str, contracted))}): over the queries?"
+            )
         chain = _chain(view, x)
         if chain is None:
             raise Unfused(
@@ -494,7 +526,10 @@ def match(view: View, pv_index: int) -> tuple[Core | None, list[At]]:
             )
         qk, steps = chain
         for s_side in (1, 0):  # the keys are the logits dot's second operand, or its first
-            labels, qk_labels = _logits_labels(qk, s_side)
+            found_labels = _logits_labels(qk, s_side)
+            if found_labels is None:
+                continue
+            labels, qk_labels = found_labels
             spaces = []
             for at, _ in steps:
                 labels = _forward_labels(at, labels)
@@ -502,10 +537,17 @@ def match(view: View, pv_index: int) -> tuple[Core | None, list[At]]:
             if labels[axis] == "s" and labels.count("t") == 1:
                 break
         else:
+            if all(_logits_labels(qk, side) is None for side in (1, 0)):
+                raise Unfused(
+                    "the queries or keys have more than one dim besides batch and head dims "
+                    "(or the keys more than the queries' group of grouped-query attention)"
+                )
             raise Unfused(f"the softmax does not run over the keys (axis {axis} of the logits)")
         tops = {pv_index, qk.top, *(a.top for a in ats), *(a.top for a, _ in steps)}
         lay = _layouts(view, qk, pv, p_pos, labels, qk_labels)
         folded = _fold(view, steps, spaces, tops)
+        if any("g" in s.dims for s in (*folded["masks"], *folded["biases"])):
+            raise Unfused("a mask or bias differs between the query heads of a group (GQA)")
         return Core(pv=pv_index, qk=qk.top, eqns=tops, o=eqn.outvars[0], **lay, **folded), ats
     for p_pos in (0, 1):
         _near_miss(view, pv.operand(p_pos))
@@ -544,43 +586,3 @@ def _near_miss(view: View, val: Val) -> None:
                     )
                 nxt.append((operand, path))
         frontier = nxt
-
-
-# -- arranging arrays by their labels (NumPy for constants, jax.numpy when emitting) ------------
-
-_COMPARE = {"ne": "not_equal", "eq": "equal", "gt": "greater", "ge": "greater_equal"}
-_COMPARE |= {"lt": "less", "le": "less_equal"}
-
-
-def mask_value(s: Side, x: Any, xp: Any) -> Any:
-    """A mask side's boolean value: its comparison applied, negated for ``coef < 0``."""
-    if s.test is not None:
-        name, c, first = s.test
-        fn = getattr(xp, _COMPARE[name])
-        c = xp.asarray(c, x.dtype)
-        x = fn(c, x) if first else fn(x, c)
-    x = x.astype(bool)
-    return x if s.coef > 0 else ~x
-
-
-def arrange(x: Any, labels: tuple[Label, ...], order: list[Label], xp: Any) -> Any:
-    """``x`` (dims ``labels``) with its dims in ``order``: size 1 where ``x`` has no such
-    dim; its None dims (size 1) dropped."""
-    keep = [i for i, lab in enumerate(labels) if lab is not None]
-    present = [labels[i] for i in keep]
-    sizes = {lab: x.shape[i] for lab, i in zip(present, keep, strict=True)}
-    x = xp.reshape(x, [x.shape[i] for i in keep])
-    x = xp.transpose(x, sorted(range(len(keep)), key=lambda j: order.index(present[j])))
-    return xp.reshape(x, [sizes.get(lab, 1) for lab in order])
-
-
-def place(
-    y: Any, order: list[Label], labels: tuple[Label, ...], shape: tuple[int, ...], xp: Any
-) -> Any:
-    """The inverse of :func:`arrange`: ``y`` (dims ``order``) as an array of ``shape`` whose
-    dims have ``labels``."""
-    present = [lab for lab in labels if lab is not None]
-    y = xp.reshape(y, [n for lab, n in zip(order, y.shape, strict=True) if lab in present])
-    kept = [lab for lab in order if lab in present]
-    y = xp.transpose(y, [kept.index(lab) for lab in present])
-    return xp.reshape(y, shape)
