@@ -33,7 +33,13 @@ from jmp_rewrite._src import fp8 as fp8_lib
 from jmp_rewrite._src import higher_order as ho
 from jmp_rewrite._src.clamping import _fits, clamp, literal
 from jmp_rewrite._src.custom_rules import cast
-from jmp_rewrite._src.equations import SCATTER_REBUILDERS, is_f32, is_float, sealed
+from jmp_rewrite._src.equations import (
+    SCATTER_REBUILDERS,
+    is_f32,
+    is_float,
+    rebuild_scatter,
+    sealed,
+)
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
 from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.masking import Flags
@@ -47,13 +53,6 @@ from jmp_rewrite._src.tangents import (
     transpose_accumulates,
 )
 
-_SCATTER_FUNS = {
-    "scatter-add": lax.scatter_add,
-    "scatter-sub": getattr(lax, "scatter_sub", None),
-    "scatter-mul": lax.scatter_mul,
-    "scatter-min": lax.scatter_min,
-    "scatter-max": lax.scatter_max,
-}
 _DTYPE_PARAMS = ("preferred_element_type",)
 #: Sums painted half precision still accumulate in float32 (cast, sum, cast back when read
 #: in half), as ``jnp.sum`` does for half inputs and TF's fused half kernels do: a bfloat16
@@ -334,22 +333,17 @@ class Emitter:
 
     def _handed_in(self, eqn: Any, rec: EqnRec, wanted: list[Any], read: Any) -> list[Any]:
         """``wanted`` less the casts into half of float32 values a body reads as they are
-        on every trip (a loop's consts, a call's or branch's operands): those are cast
-        inside, at their readers. Cast outside, the value's cotangent would be a half
-        value, and JAX's transpose sums it in half: a ``scan``'s in a carry over every
-        trip (an RNN's weight gradient), a ``shard_map``'s across devices. XLA hoists the
-        loop-invariant cast out of the compiled loop, so the forward program is the same.
-        Carries and scanned slices keep their nodes' dtypes (a carry's type is fixed);
-        a value that saturates on its way into half (a clamped constant, a big value) is
-        cast outside, where its flags are known."""
+        (a loop's consts, a call's operands): cast inside, at their readers, their
+        cotangents are float32 (cast outside, JAX's transpose of a ``scan`` summed them in a
+        half carry over every trip); XLA hoists the loop-invariant cast. Per-trip operands
+        keep their nodes' dtypes; a value saturating into half is cast where its flags are."""
         per_trip = set(ho.per_trip_positions(rec.layout))
         out = list(wanted)
         for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True)):
             if d is None or i in per_trip or not is_f32(a.aval.dtype) or is_f32(d):
                 continue
-            if _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a):
-                continue
-            if is_f32(jnp.result_type(read(a))):
+            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)
+            if not saturates and is_f32(jnp.result_type(read(a))):
                 out[i] = None  # handed in as it is; cast inside by its readers
         return out
 
@@ -541,7 +535,7 @@ class Emitter:
             saturated = self._saturated(eqn, rec, read, invals)
             const = [_const(rec, i) for i in range(len(eqn.invars))]
             if name in SCATTER_REBUILDERS and eqn.params.get("update_jaxpr") is not None:
-                outs = [self._scatter(eqn, invals)]
+                outs = [rebuild_scatter(eqn, invals)]
             elif saturated and reads_magnitude(eqn) or transpose_accumulates(eqn, const):
                 outs = float32_tangents(eqn, invals, params, saturated)
         outs = bind(eqn, invals, params) if outs is None else outs
@@ -551,22 +545,6 @@ class Emitter:
         if half and saturated:
             self.unsaturated.hand_on(eqn, outs, invals, saturated)
         return outs
-
-    def _scatter(self, eqn: Any, invals: list[Any]) -> Any:
-        fun = _SCATTER_FUNS.get(eqn.primitive.name)
-        if fun is None:  # pragma: no cover - graph.py only paints rebuildable scatters
-            raise NotImplementedError(f"cannot re-emit {eqn.primitive.name} in half precision")
-        p = eqn.params
-        operand, indices, updates = invals
-        return fun(
-            operand,
-            indices,
-            updates,
-            p["dimension_numbers"],
-            indices_are_sorted=p["indices_are_sorted"],
-            unique_indices=p["unique_indices"],
-            mode=p["mode"],
-        )
 
     def _opaque(self, eqn: Any, read: Any) -> list[Any]:
         """An equation holding jaxprs we do not see through: same signature, bodies

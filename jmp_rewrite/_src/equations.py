@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import higher_order as ho
@@ -22,6 +23,32 @@ from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
 #: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.
 SCATTER_REBUILDERS = ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max")
+SCATTER_FUNS = {
+    "scatter-add": lax.scatter_add,
+    "scatter-sub": getattr(lax, "scatter_sub", None),
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
+}
+
+
+def rebuild_scatter(eqn: Any, invals: list[Any]) -> Any:
+    """A painted scatter re-emitted in its operands' dtypes (its ``update_jaxpr`` was traced
+    at the original ones)."""
+    fun = SCATTER_FUNS.get(eqn.primitive.name)
+    if fun is None:  # pragma: no cover - graph.py only paints rebuildable scatters
+        raise NotImplementedError(f"cannot re-emit {eqn.primitive.name} in half precision")
+    p = eqn.params
+    operand, indices, updates = invals
+    return fun(
+        operand,
+        indices,
+        updates,
+        p["dimension_numbers"],
+        indices_are_sorted=p["indices_are_sorted"],
+        unique_indices=p["unique_indices"],
+        mode=p["mode"],
+    )
 
 
 _UNIT_NAME = re.compile(r"^(?:\w+\()*([A-Za-z_][\w]*)\)*$")
