@@ -108,10 +108,10 @@ def half_casts_handed_into_bodies(jaxpr: Any) -> list[str]:
     higher-order equation, outside its per-trip groups (carries, scanned slices), that its
     own scope cast from a computed or input float32 value. Under ``grad`` its cotangent would
     be summed in half (a loop's over every trip). Only values with a float path from the
-    scope's inputs count (the library's own pinned fills derive from integer flags), and a
-    ``custom_jvp`` only with a loop inside (the library wraps half leaves in its own,
-    operands in half by design: a primal in half, its tangents in float32). Empty where the
-    rule holds."""
+    scope's inputs count (the library's own pinned fills derive from integer flags), and
+    only bodies that sum over trips or devices: loops, ``shard_map``, a call or branch with
+    one inside (a plain call sums a cotangent over its readers, as the top level does; the
+    library's own leaf wrappers take half operands by design). Empty where the rule holds."""
     from jmp_rewrite._src import _jax_compat as jc
     from jmp_rewrite._src import higher_order as ho
 
@@ -125,8 +125,9 @@ def half_casts_handed_into_bodies(jaxpr: Any) -> list[str]:
                 derived.update(v for v in e.outvars if hasattr(v.aval, "dtype"))
         for eqn in scope.eqns:
             layout = ho.describe(eqn)
-            if layout is None or (layout.kind == ho.CUSTOM_JVP and not _loops_inside(eqn)):
-                continue  # the library's own leaf wrappers (float32 tangents, pinned fills)
+            summing = layout is not None and layout.kind in (ho.SCAN, ho.WHILE, ho.SHARD_MAP)
+            if layout is None or not (summing or _loops_inside(eqn)):
+                continue  # its transpose sums nothing over trips or devices
             per_trip = set(ho.per_trip_positions(layout))
             for i, atom in enumerate(eqn.invars):
                 cast = None if i in per_trip or jc.is_literal(atom) else made.get(atom)

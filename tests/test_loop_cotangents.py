@@ -5,8 +5,9 @@ the value it belongs to. A weight read by half matmuls inside a ``scan`` used to
 once, before the loop, and JAX's transpose of the loop then summed that half value's
 cotangent in a half carry over every trip (an Elman RNN's ``dW`` over 512 steps in
 bfloat16: 2.8e-2 off float32, where hand-written half gives 6.9e-3). The rule: a body takes
-a float32 value (a loop's consts, a call's or branch's operands) as it is and casts it at
-its readers; only its per-trip operands (carries, scanned slices) take their nodes' dtypes.
+a float32 value (a loop's consts, the operands of a ``shard_map`` or of a call holding a
+loop) as it is and casts it at its readers; only its per-trip operands (carries, scanned
+slices) take their nodes' dtypes.
 XLA hoists the loop-invariant cast, so the compiled forward loop is the one before.
 
 Judged on every kind of body (``scan`` both ways, ``fori_loop``, a checkpointed step, a
@@ -14,7 +15,10 @@ Judged on every kind of body (``scan`` both ways, ``fori_loop``, a checkpointed 
 and the rewrite, both half dtypes: by value (no further from float32 than hand-written half,
 which casts at the reader) and by dtype (the carries summing the weights' cotangents are
 float32). The generated programs check the rule on every body they draw
-(``tests/test_invariants.py``).
+(``tests/test_oracle.py``, ``half_casts_handed_into_bodies``). A body that sums nothing over
+trips or devices (a plain ``jit``, ``checkpoint`` or custom rule with no loop inside) is
+handed its operands cast, as before: its transpose sums a cotangent over its readers only,
+as the top level does.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
-from jaxpr_walk import all_eqns
+from jaxpr_walk import all_eqns, half_casts_handed_into_bodies
 
 import jmp_rewrite
 
@@ -168,19 +172,15 @@ def test_weight_gradients_through_a_long_loop_are_summed_in_float32(body, order,
 
 
 @DTYPES
-@pytest.mark.parametrize("body", ["scan", "checkpoint_step", "custom_vjp_step", "shard_map"])
-def test_the_weight_enters_the_body_in_float32_and_runs_in_half_there(body, dtype):
-    """The forward program: the weight crosses each body's boundary as the float32 value it
-    is, its matmuls still run in half, once cast (the carry stays half)."""
+@pytest.mark.parametrize("body", BODIES)
+def test_the_weight_enters_the_loop_in_float32_and_runs_in_half_there(body, dtype):
+    """The forward program: the weight crosses each loop's (and each body holding a loop)
+    boundary as the float32 value it is; its matmuls still run in half."""
     params, xs = inputs()
     jaxpr = jax.make_jaxpr(jmp_rewrite.rewrite(rnn(body), dtype=dtype))(params, xs)
-    weights = {(D, H), (H, H)}
-    for eqn in all_eqns(jaxpr):
-        if eqn.primitive.name in ("scan", "while", "pjit", "jit", "checkpoint", "remat"):
-            crossing = [v for v in eqn.invars if tuple(getattr(v.aval, "shape", ())) in weights]
-            assert all(v.aval.dtype == jnp.float32 for v in crossing), eqn.primitive
-        if eqn.primitive.name == "dot_general":
-            assert all(v.aval.dtype == dtype for v in eqn.invars), eqn
+    assert half_casts_handed_into_bodies(jaxpr) == []
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == dtype for e in dots for v in e.invars)
 
 
 @DTYPES

@@ -41,6 +41,7 @@ from jmp_rewrite._src.equations import (
     sealed,
 )
 from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
+from jmp_rewrite._src.graph_records import sums_over_trips
 from jmp_rewrite._src.higher_order import bind
 from jmp_rewrite._src.masking import Flags
 from jmp_rewrite._src.paint import paint
@@ -324,7 +325,7 @@ class Emitter:
             ]
         else:
             wanted = [None] * len(eqn.invars)
-        if rec.kind != "unit":
+        if rec.kind != "unit" and sums_over_trips(rec):
             wanted = self._handed_in(eqn, rec, wanted, read)
         return [
             read(a, d, _clamped(rec, i), self._big(rec, i))
@@ -332,11 +333,10 @@ class Emitter:
         ]
 
     def _handed_in(self, eqn: Any, rec: EqnRec, wanted: list[Any], read: Any) -> list[Any]:
-        """``wanted`` less the casts into half of float32 values a body reads as they are
-        (a loop's consts, a call's operands): cast inside, at their readers, their
-        cotangents are float32 (cast outside, JAX's transpose of a ``scan`` summed them in a
-        half carry over every trip); XLA hoists the loop-invariant cast. Per-trip operands
-        keep their nodes' dtypes; a value saturating into half is cast where its flags are."""
+        """``wanted`` less casts into half of float32 values a loop or ``shard_map`` (or a body
+        holding one) reads as they are: cast at their readers, their cotangents are float32
+        (cast outside, a ``scan``'s transpose summed them in half over every trip); XLA
+        hoists the cast. Per-trip operands and values saturating into half are cast outside."""
         per_trip = set(ho.per_trip_positions(rec.layout))
         out = list(wanted)
         for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True)):

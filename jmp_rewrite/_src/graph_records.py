@@ -21,6 +21,21 @@ def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], An
                 walk_scopes(s, inner, step)
 
 
+#: Kinds whose transpose sums an operand's cotangent over trips or devices.
+SUMMING_KINDS = ("scan", "while", "shard_map")
+
+
+def sums_over_trips(rec: EqnRec) -> bool:
+    """Whether ``rec``'s equation is, or holds at any depth, a loop or a ``shard_map``: a
+    body whose transpose sums what it reads over trips or devices."""
+    return rec.kind in SUMMING_KINDS or any(
+        sums_over_trips(r)
+        for sub in rec.subs.values()
+        for s in (sub if isinstance(sub, list) else [sub])
+        for r in s.eqns
+    )
+
+
 @dataclasses.dataclass
 class Node:
     """One vertex of the painting graph.
