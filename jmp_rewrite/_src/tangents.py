@@ -71,19 +71,16 @@ class Unsaturated:
 
     def value(self, atom: Any, raw: Any, saturating: bool, narrowed: bool) -> Any:
         """The float32 value of operand ``atom`` (held as ``raw``: a literal's value, the
-        value in the environment) where its way into half saturated it, else None.
+        value in the environment) where its way into half saturated it, else None; a
+        function computing it where a cast or move stands for it (see :func:`forced`).
         ``saturating``: it is clamped or pinned when cast (frozen or big); ``narrowed``:
         ``raw`` is cast into half on the way."""
         if not saturating or not is_float(atom.aval.dtype):
             return None
         if jc.is_literal(atom):
             return raw if beyond(raw, self.limit) else None
-        if id(raw) in self._of:
-            held, value = self._of[id(raw)]
-            if callable(value):  # computed when a derivative first reads it
-                value = value()
-                self._of[id(raw)] = (held, value)
-            return value
+        if id(raw) in self._of:  # a function computing it, when a derivative reads it
+            return self._of[id(raw)][1]
         return raw if narrowed else None
 
     def hand_on(self, eqn: Any, outs: Sequence[Any], invals: Sequence[Any], saturated: Any) -> None:
@@ -98,7 +95,7 @@ class Unsaturated:
 
         def up(atom: Any, v: Any, s: Any) -> Any:  # in the program's dtype (a call's body's)
             if s is not None:
-                return s
+                return forced(s)
             return cast(v, atom.aval.dtype) if is_float(jnp.result_type(v)) else v
 
         bound: list[Any] = []
@@ -112,6 +109,12 @@ class Unsaturated:
         for k, out in enumerate(outs):
             if is_float(jnp.result_type(out)) and jnp.result_type(out) != np.float32:
                 self._of[id(out)] = (out, functools.partial(value, k))
+
+
+def forced(value: Any) -> Any:
+    """A float32 value :meth:`Unsaturated.value` gave: computed now if it was held as the
+    function computing it (a forward pass that no derivative reads binds none of them)."""
+    return value() if callable(value) else value
 
 
 def hands_on(eqn: Any) -> bool:
@@ -161,4 +164,4 @@ def float32_tangents(
         _, t_out = jax.jvp(call32, up, t_up)
         return out, cast(t_out, jnp.result_type(out))
 
-    return [fun(*invals, *(jnp.asarray(saturated[i], np.float32) for i in true))]
+    return [fun(*invals, *(jnp.asarray(forced(saturated[i]), np.float32) for i in true))]
