@@ -56,7 +56,7 @@ $(DOCS_STAMP): pyproject.toml
 	$(call venv,docs)
 	touch $(DOCS_STAMP)
 
-.PHONY: test test-newest demo docs lint format bench figures gpu-memory mutants goldens clean
+.PHONY: test test-newest demo docs lint format bench figures gpu-memory tpu-memory mutants goldens clean
 
 LINTED := jmp_rewrite tests benchmarks tools docs/conf.py docs/_ext
 
@@ -111,6 +111,28 @@ $(GPU_STAMP): pyproject.toml
 gpu-memory: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
 
+# make tpu-memory: the same train steps compiled for one chip of a TPU v5e, v5p and v6e on this
+# CPU-only machine (benchmarks/gpu_memory.py --target v5e ...; libtpu compiles, no TPU is
+# used): peak HBM, bytes accessed and XLA:TPU's cost-model estimate of the step's time. Its own
+# environment, .venv-tpu, holds jax with libtpu (never part of make test). The generations
+# compile one after another (libtpu allows one process at a time). TPU_TARGETS picks them and
+# ARGS go to the script, e.g. make tpu-memory TPU_TARGETS=v5p ARGS="--models gpt --smoke".
+TPU_VENV ?= .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+TPU_JAX ?= 0.12.0.1
+TPU_TARGETS ?= v5e v5p v6e
+
+$(TPU_STAMP): pyproject.toml
+	test -x $(TPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q "jax[tpu]==$(TPU_JAX)" flax -e .
+	touch $(TPU_STAMP)
+
+tpu-memory: $(TPU_STAMP)
+	for t in $(TPU_TARGETS); do \
+	  $(TPU_VENV)/bin/python benchmarks/gpu_memory.py --target $$t \
+	    --out runs/tpu_memory-$$t.json $(ARGS) || exit 1; done
+
 # make goldens: rewrite the painting goldens (tests/goldens/, checked by tests/test_goldens.py)
 # from the code, on both JAX ends (the floor's base files first), and print the diff to review
 # and commit with the change that caused it. ARGS="-k models" for one family.
@@ -124,4 +146,4 @@ mutants: $(STAMP)
 	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-newest .venv-gpu .venv-docs .pytest_cache runs docs/_build docs/_generated
+	rm -rf .venv .venv-newest .venv-gpu .venv-tpu .venv-docs .pytest_cache runs docs/_build docs/_generated
