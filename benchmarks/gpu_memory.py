@@ -160,9 +160,8 @@ _NEEDS = (
     ),
 )
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-#: A dot or convolution with a float8 operand; a convert from float8 to something else.
-_F8_DOT = re.compile(r"=\s*\S+\s+(?:dot|convolution)\([^\n]*?\bf8e\w*\[")
-_F8_UPCAST = re.compile(r"=\s*(?:bf16|f16|f32)\[[^=]*?\bconvert\(\s*f8e\w*\[", re.MULTILINE)
+#: A float8 array type (``f8e4m3fn``, ``f8e5m2``, ...).
+_F8 = re.compile(r"\bf8e\w*\[")
 #: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
 FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
 
@@ -172,6 +171,7 @@ FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vi
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
 _BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES |= dict.fromkeys(("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz"), 1)
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
@@ -244,9 +244,55 @@ def hlo_stats(text: str) -> dict[str, int]:
     stats["float8_gemms"] = len(_F8_GEMM.findall(text))
     stats["float8_triton_fusions"] = len(_F8_TRITON.findall(text))
     stats["fused_attention_calls"] = len(_FMHA.findall(text))
-    stats["float8_dots"] = len(_F8_DOT.findall(text))
-    stats["float8_upcasts"] = len(_F8_UPCAST.findall(text))
+    stats.update(float8_stats(comps))
     return stats
+
+
+def _operands(rest: str, shapes: dict[str, str]) -> list[str]:
+    """The shapes of an instruction's operands: typed in place (XLA:GPU's text) or by name
+    from their computation (XLA:TPU's text names them only)."""
+    out = []
+    for operand in _split_operands(rest):
+        name = re.search(r"%([\w.\-]+)\s*$", operand)
+        typed = operand[: name.start()] if name else operand
+        if _ARRAY.search(typed) or name is None:
+            out.append(typed)
+        else:
+            out.append(shapes.get(name[1], ""))
+    return out
+
+
+def _split_operands(rest: str) -> list[str]:
+    """The operand list of ``op(...)``, split at its top-level commas."""
+    depth, parts, current = 0, [], []
+    for ch in rest:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current).strip())
+    return [p for p in parts if p]
+
+
+def float8_stats(comps: dict[str, list[tuple[str, ...]]]) -> dict[str, int]:
+    """``float8_dots``: dots and convolutions with a float8 operand (fused or not);
+    ``float8_upcasts``: converts of a float8 array to a wider type."""
+    dots = upcasts = 0
+    for instructions in comps.values():
+        shapes = {n: shape for n, shape, _, _ in instructions}
+        for _, shape, op, rest in instructions:
+            if op in ("dot", "convolution"):
+                dots += any(_F8.search(o) for o in _operands(rest, shapes))
+            elif op == "convert" and not _F8.search(shape):
+                upcasts += any(_F8.search(o) for o in _operands(rest, shapes))
+    return {"float8_dots": dots, "float8_upcasts": upcasts}
 
 
 def hbm_oom(message: str) -> dict[str, Any] | None:

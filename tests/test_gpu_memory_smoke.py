@@ -187,8 +187,27 @@ def test_tpu_float8_dots_and_upcasts_are_counted():
     dot = "  %dot.1 = f32[8,8]{1,0} dot(f8e5m2[8,16]{1,0} %g, f8e4m3fn[16,8]{1,0} %x)\n"
     upcast = "  %convert.9 = bf16[3072,768]{1,0:T(8,128)(2,1)} convert(f8e4m3fn[3072,768] %q)\n"
     down = "  %convert.8 = f8e4m3fn[3072,768]{1,0} convert(bf16[3072,768]{1,0} %w)\n"
-    stats = gpu_memory.hlo_stats(HLO + kept + dot + upcast + down)
+    gpu = "%fused_gemms (a: bf16[512,3072]) -> bf16[512,768] {\n" + kept + dot + upcast + down
+    stats = gpu_memory.hlo_stats(HLO + gpu + "}\n")
     assert stats["float8_dots"] == 2 and stats["float8_upcasts"] == 1
+    # XLA:TPU's text names operands without their types: they are looked up by name.
+    tpu = """\
+%fused_dot (param_0: f8e4m3fn[16,8], param_1: bf16[8,16]) -> bf16[8,8] {
+  %param_0 = f8e4m3fn[16,8]{1,0:T(8,128)(4,1)} parameter(0)
+  %param_1 = bf16[8,16]{1,0:T(8,128)(2,1)} parameter(1)
+  %convert.2 = bf16[16,8]{1,0:T(8,128)(2,1)} convert(%param_0)
+  ROOT %convolution.4 = bf16[8,8]{1,0} convolution(%param_1, %convert.2), dim_labels=bf_io->bf
+}
+
+%fused_f8 (param_0: f8e4m3fn[16,8], param_1: f8e4m3fn[8,16]) -> bf16[8,8] {
+  %param_0 = f8e4m3fn[16,8]{1,0:T(8,128)(4,1)} parameter(0)
+  %param_1 = f8e4m3fn[8,16]{1,0:T(8,128)(4,1)} parameter(1)
+  ROOT %convolution.5 = bf16[8,8]{1,0} convolution(%param_1, %param_0), dim_labels=bf_io->bf
+}
+"""
+    stats = gpu_memory.hlo_stats(tpu + HLO)
+    assert stats["float8_dots"] == 1 and stats["float8_upcasts"] == 1
+    assert gpu_memory.shape_bytes("f8e4m3fn[16,8]{1,0}") == 128
     stats = gpu_memory.hlo_stats(HLO)
     assert stats["float8_dots"] == 0 and stats["float8_upcasts"] == 0
 
