@@ -353,7 +353,12 @@ def measure(compiled: Any) -> dict[str, Any]:
     if cost:
         rec["flops"] = cost.get("flops")
         rec["bytes_accessed"] = cost.get("bytes accessed")
-        rec["optimal_seconds"] = cost.get("optimal_seconds")
+        # A cost model that cannot price the program answers a negative time (libtpu 0.0.50.1
+        # on v5e and v6e): no estimate then, the answer kept beside it.
+        seconds = cost.get("optimal_seconds")
+        rec["optimal_seconds"] = seconds if seconds is not None and seconds > 0 else None
+        if rec["optimal_seconds"] is None and seconds is not None:
+            rec["optimal_seconds_reported"] = seconds
     return rec
 
 
@@ -475,6 +480,10 @@ def print_tpu_table(result: dict[str, Any]) -> None:
                 print(f"| {m['key']} | {key} | {r.get('error', '?')[:80]} |")
                 continue
             est = r.get("optimal_seconds")
+            if est is None and "optimal_seconds_reported" in r:
+                est_text = f"none ({r['optimal_seconds_reported']:.3g} s)"
+            else:
+                est_text = _fmt(None if est is None else est * 1e3, ".3f")
             acc = r.get("bytes_accessed")
             ratio = m.get("estimate_ratios", {})
             er = next((v for k, v in ratio.items() if k.startswith(key + "/")), None)
@@ -482,11 +491,14 @@ def print_tpu_table(result: dict[str, Any]) -> None:
                 f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
                 f"| {r['temp_bytes'] * scale:.2f} | {_fmt(_ratio_of(m, key), '.3f')} "
                 f"| {_fmt(None if acc is None else acc / 1e9, '.2f')} "
-                f"| {_fmt(None if est is None else est * 1e3, '.3f')} | {_fmt(er, '.3f')} "
+                f"| {est_text} | {_fmt(er, '.3f')} "
                 f"| {r['converts']} | {r['float8_dots']} | {r['float8_upcasts']} "
                 f"| {r['compile_s']:.0f} |"
             )
-    print("\nXLA's estimate: optimal_seconds, XLA:TPU's cost model of the step (not a timing).")
+    print(
+        "\nXLA's estimate: optimal_seconds, XLA:TPU's cost model of the step (not a timing); "
+        "none: the model answered a negative time (shown), no estimate for that chip."
+    )
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -249,3 +249,28 @@ def test_tpu_smoke_run(tmp_path):
         assert rec["bytes_accessed"] > 0 and rec["converts"] > 0, rec
     assert set(gpt["ratios"]) == set(gpt["estimate_ratios"]) == {"rw-bf16/hand-bf16"}
     assert "| gpt | rw-bf16 |" in stdout and "XLA's estimate" in stdout
+
+
+def test_tpu_negative_estimate_is_no_estimate():
+    import types
+
+    import gpu_memory
+
+    class Compiled:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def memory_analysis(self):
+            sizes = dict(argument=8, output=8, alias=0, temp=16)
+            return types.SimpleNamespace(**{f"{k}_size_in_bytes": v for k, v in sizes.items()})
+
+        def as_text(self):
+            return HLO
+
+        def cost_analysis(self):
+            return [{"flops": 1.0, "bytes accessed": 64.0, "optimal_seconds": self.seconds}]
+
+    assert gpu_memory.measure(Compiled(2e-3))["optimal_seconds"] == 2e-3
+    rec = gpu_memory.measure(Compiled(-59.86))  # libtpu 0.0.50.1's answer on a v6e
+    assert rec["optimal_seconds"] is None and rec["optimal_seconds_reported"] == -59.86
+    assert rec["bytes_accessed"] == 64.0 and rec["peak_bytes"] == 32
