@@ -57,7 +57,7 @@ $(DOCS_STAMP): pyproject.toml
 	touch $(DOCS_STAMP)
 
 .PHONY: test test-newest demo docs package package-check lint format bench figures gpu-memory \
-  mutants goldens clean
+  tpu-memory tpu-smoke mutants goldens clean
 
 LINTED := jmp_rewrite tests benchmarks tools docs/conf.py docs/_ext
 
@@ -121,6 +121,36 @@ $(GPU_STAMP): pyproject.toml
 gpu-memory: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python benchmarks/gpu_memory.py --out runs/gpu_memory.json $(ARGS)
 
+# make tpu-memory: the same train steps compiled for one chip of a TPU v5e, v5p and v6e on this
+# CPU-only machine (benchmarks/gpu_memory.py --target v5e ...; libtpu compiles, no TPU is
+# used): peak HBM, bytes accessed and XLA:TPU's cost-model estimate of the step's time. Its own
+# environment, .venv-tpu, holds jax with libtpu (never part of make test). The generations
+# compile one after another (libtpu allows one process at a time). TPU_TARGETS picks them and
+# ARGS go to the script, e.g. make tpu-memory TPU_TARGETS=v5p ARGS="--models gpt --smoke".
+# The steps are rewritten with dtype=jnp.bfloat16 given: dtype=None would choose for the host.
+TPU_VENV ?= .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+TPU_JAX ?= 0.12.0.1
+TPU_TARGETS ?= v5e v5p v6e
+
+$(TPU_STAMP): pyproject.toml
+	test -x $(TPU_VENV)/bin/python || $(GPU_PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install -q "jax[tpu]==$(TPU_JAX)" flax pytest pytest-env \
+	  hypothesis -e .
+	touch $(TPU_STAMP)
+
+tpu-memory: $(TPU_STAMP)
+	for t in $(TPU_TARGETS); do \
+	  $(TPU_VENV)/bin/python benchmarks/gpu_memory.py --target $$t \
+	    --out runs/tpu_memory-$$t.json $(ARGS) || exit 1; done
+
+# make tpu-smoke: the TPU tests of tests/test_gpu_memory_smoke.py (toy sizes, a v5p target),
+# which make test skips where libtpu is not installed.
+tpu-smoke: $(TPU_STAMP)
+	ALLOW_MULTIPLE_LIBTPU_LOAD=1 $(TPU_VENV)/bin/python -m pytest -q \
+	  tests/test_gpu_memory_smoke.py -k tpu
+
 # make goldens: rewrite the painting goldens (tests/goldens/, checked by tests/test_goldens.py)
 # from the code, on both JAX ends (the floor's base files first), and print the diff to review
 # and commit with the change that caused it. ARGS="-k models" for one family.
@@ -134,5 +164,5 @@ mutants: $(STAMP)
 	$(BIN)/python tools/mutants.py $(ARGS)
 
 clean:
-	rm -rf .venv .venv-newest .venv-gpu .venv-docs .pytest_cache runs docs/_build docs/_generated \
-	  dist build jmp_rewrite.egg-info
+	rm -rf .venv .venv-newest .venv-gpu .venv-tpu .venv-docs .pytest_cache runs docs/_build \
+	  docs/_generated dist build jmp_rewrite.egg-info

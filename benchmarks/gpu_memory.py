@@ -1,4 +1,4 @@
-"""GPU memory of the GPU benchmark's train steps, measured without a GPU.
+"""GPU and TPU memory of the GPU benchmark's train steps, measured without a GPU or TPU.
 
 ``make gpu-memory`` (or ``.venv-gpu/bin/python benchmarks/gpu_memory.py``) compiles the train
 steps of ``gpu_speedup.py`` -- the same models, sizes, variants and step builders
@@ -28,6 +28,21 @@ Reported per model and variant (``f32``, ``rw-bf16``, ``hand-bf16``, ``rw-f16``,
 * ``float8_gemms``: cuBLASLt float8 GEMM calls (``__cublas$lt$matmul$f8``) and
   ``float8_triton_fusions``: Triton GEMM fusions fed float8 operands (``rw-fp8``: the former
   should count every float8 matmul, the latter none).
+
+TPUs (``--target v5e``, ``v5p``, ``v6e``: one chip; ``make tpu-memory``, whose environment
+``.venv-tpu`` holds jax with libtpu) compile the same steps through XLA:TPU, deviceless as
+well (``jax.experimental.topologies.get_topology_desc(platform="tpu", ...)``). There XLA's
+``cost_analysis`` works without a device and is reported as it is: ``bytes accessed`` and
+``optimal_seconds``, XLA:TPU's cost-model estimate of the step's time (a model of the chip,
+not a timing), with the rewrite-over-hand-written ratio of each. A step that does not fit the
+chip's HBM is refused at compile time (``CompileTimeHbmOom``): it is reported as "does not
+fit (needs X GiB)", X read from XLA's message. ``float8_dots`` counts the dots and
+convolutions of the optimised HLO with a float8 operand (fused or not) and
+``float8_upcasts`` the converts from float8 to a wider type: float8 GEMMs kept by XLA:TPU
+show in the former, emulated ones in the latter. The TPU default is ``f32``, ``rw-bf16``,
+``hand-bf16``, ``rw-fp8`` and ``rw-bf16-fused`` (float16 is no TPU type). The steps are
+rewritten with ``dtype=jnp.bfloat16`` given explicitly: ``dtype=None`` chooses for
+``jax.devices()[0]``, the CPU host here, and would rewrite nothing.
 
 ``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
 not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles
@@ -105,6 +120,11 @@ TARGETS = {
     "h200": _target("NVIDIA H200", 4_800_000_000_000, 150_109_208_576),
     "h100": _target("NVIDIA H100 80GB HBM3", 3_352_320_000_000, 84_978_434_048),
 }
+#: TPU targets: one chip of each generation (the topology names libtpu takes).
+TPU_TARGETS = {"v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1"}
+#: What runs by default on a TPU: float32, bfloat16 (rewritten, by hand), float8 weight GEMMs
+#: and fused attention (float16 is no TPU type).
+TPU_VARIANTS = ("f32", "rw-bf16", "hand-bf16", "rw-fp8", "rw-bf16-fused")
 #: Variants by half type (``f32`` is the reference of both).
 BY_DTYPE = {
     "bf16": ("rw-bf16", "hand-bf16"),
@@ -129,6 +149,19 @@ _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
 #: cuBLASLt's float8 GEMM in optimised XLA:GPU HLO; a Triton GEMM fusion fed float8 operands.
 _F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
 _F8_TRITON = re.compile(r"^.*\bfusion\(.*\bf8e\w*\[.*__triton_gemm.*$", re.MULTILINE)
+#: XLA:TPU's compile-time HBM check; the step's needs, its two forms (temporaries alone,
+#: or all the program's buffers), and the chip's HBM.
+_HBM_OOM = re.compile(r"CompileTimeHbmOom|exceeds available HBM|out of memory in memory space hbm")
+_NEEDS = (
+    ("all buffers", re.compile(r"Used ([0-9.]+)([KMGT])i?B? of ([0-9.]+)([KMGT])i?B? hbm")),
+    (
+        "temporaries",
+        re.compile(r"\(([0-9.]+)([KMGT])\) exceeds available HBM \(([0-9.]+)([KMGT])\)"),
+    ),
+)
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+#: A float8 array type (``f8e4m3fn``, ``f8e5m2``, ...).
+_F8 = re.compile(r"\bf8e\w*\[")
 #: Card sizes of ``gpu_speedup.py`` on a card over 100 GiB (GPT batch 16 on an 80 GB one).
 FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vit": {"batch": 128}}
 
@@ -138,6 +171,7 @@ FULL_SIZES = {"gpt": {"batch": 32, "seq": 1024}, "resnet50": {"batch": 128}, "vi
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
 _BYTES |= {"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES |= dict.fromkeys(("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz"), 1)
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
@@ -210,7 +244,69 @@ def hlo_stats(text: str) -> dict[str, int]:
     stats["float8_gemms"] = len(_F8_GEMM.findall(text))
     stats["float8_triton_fusions"] = len(_F8_TRITON.findall(text))
     stats["fused_attention_calls"] = len(_FMHA.findall(text))
+    stats.update(float8_stats(comps))
     return stats
+
+
+def _operands(rest: str, shapes: dict[str, str]) -> list[str]:
+    """The shapes of an instruction's operands: typed in place (XLA:GPU's text) or by name
+    from their computation (XLA:TPU's text names them only)."""
+    out = []
+    for operand in _split_operands(rest):
+        name = re.search(r"%([\w.\-]+)\s*$", operand)
+        typed = operand[: name.start()] if name else operand
+        if _ARRAY.search(typed) or name is None:
+            out.append(typed)
+        else:
+            out.append(shapes.get(name[1], ""))
+    return out
+
+
+def _split_operands(rest: str) -> list[str]:
+    """The operand list of ``op(...)``, split at its top-level commas."""
+    depth, parts, current = 0, [], []
+    for ch in rest:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current).strip())
+    return [p for p in parts if p]
+
+
+def float8_stats(comps: dict[str, list[tuple[str, ...]]]) -> dict[str, int]:
+    """``float8_dots``: dots and convolutions with a float8 operand (fused or not);
+    ``float8_upcasts``: converts of a float8 array to a wider type."""
+    dots = upcasts = 0
+    for instructions in comps.values():
+        shapes = {n: shape for n, shape, _, _ in instructions}
+        for _, shape, op, rest in instructions:
+            if op in ("dot", "convolution"):
+                dots += any(_F8.search(o) for o in _operands(rest, shapes))
+            elif op == "convert" and not _F8.search(shape):
+                upcasts += any(_F8.search(o) for o in _operands(rest, shapes))
+    return {"float8_dots": dots, "float8_upcasts": upcasts}
+
+
+def hbm_oom(message: str) -> dict[str, Any] | None:
+    """``{"needs_bytes", "hbm_bytes", "needs"}`` of an XLA:TPU compile-time HBM refusal
+    (``None`` for any other error). XLA:TPU's sizes are binary (``15.75G``: GiB); ``needs``
+    says what its figure counts (``temporaries``: arguments and outputs come on top). Either
+    figure is ``None`` where the message does not give it."""
+    if not _HBM_OOM.search(message):
+        return None
+    for what, pattern in _NEEDS:
+        if m := pattern.search(message):
+            need, hbm = float(m.group(1)) * _UNIT[m.group(2)], float(m.group(3)) * _UNIT[m.group(4)]
+            return {"needs_bytes": int(need), "hbm_bytes": int(hbm), "needs": what}
+    return {"needs_bytes": None, "hbm_bytes": None, "needs": None}
 
 
 # ------------------------------------------------------------------------------------------
@@ -249,6 +345,20 @@ def measure(compiled: Any) -> dict[str, Any]:
     }
     stats = hlo_stats(compiled.as_text())
     rec.update(stats)
+    try:  # XLA:TPU's (and the host's) cost model; XLA:GPU has none without a device
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001
+        cost = None
+    cost = cost[0] if isinstance(cost, list) and cost else cost
+    if cost:
+        rec["flops"] = cost.get("flops")
+        rec["bytes_accessed"] = cost.get("bytes accessed")
+        # A cost model that cannot price the program answers a negative time (libtpu 0.0.50.1
+        # on v5e and v6e): no estimate then, the answer kept beside it.
+        seconds = cost.get("optimal_seconds")
+        rec["optimal_seconds"] = seconds if seconds is not None and seconds > 0 else None
+        if rec["optimal_seconds"] is None and seconds is not None:
+            rec["optimal_seconds_reported"] = seconds
     return rec
 
 
@@ -273,6 +383,17 @@ def loss_scaling_kernels(variants: dict[str, dict[str, Any]]) -> dict[str, int]:
         a, b = variants.get(scaled, {}), variants.get(plain, {})
         if "kernels" in a and "kernels" in b:
             out[f"{scaled} - {plain}"] = a["kernels"] - b["kernels"]
+    return out
+
+
+def estimate_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """XLA's time estimate (``optimal_seconds``) of each rewritten variant over its
+    hand-written counterpart, where the compiler gives one (XLA:TPU)."""
+    out = {}
+    for rw, hand in PAIRS.items():
+        a, b = variants.get(rw, {}), variants.get(hand, {})
+        if a.get("optimal_seconds") and b.get("optimal_seconds"):
+            out[f"{rw}/{hand}"] = a["optimal_seconds"] / b["optimal_seconds"]
     return out
 
 
@@ -301,6 +422,7 @@ def summarise(model: dict[str, Any]) -> None:
     """Sets a model record's ``ratios``, ``fused_ratios`` and ``loss_scaling_kernels`` from
     its variants."""
     model["ratios"] = ratios(model["variants"])
+    model["estimate_ratios"] = estimate_ratios(model["variants"])
     model["fused_ratios"] = fused_ratios(model["variants"])
     model["loss_scaling_kernels"] = loss_scaling_kernels(model["variants"])
 
@@ -324,8 +446,66 @@ def take_baseline(result: dict[str, Any], baseline: dict[str, Any]) -> None:
         }
 
 
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f}"
+
+
+def does_not_fit(rec: dict[str, Any]) -> str:
+    """A compile-time HBM refusal, worded: does not fit (needs X GiB ...; HBM Y GiB)."""
+    oom = rec["hbm_oom"]
+    what = f" of {oom['needs']}" if oom.get("needs") else ""
+    hbm = _gib(oom["hbm_bytes"])
+    return f"does not fit (needs {_gib(oom['needs_bytes'])} GiB{what}; HBM {hbm} GiB)"
+
+
+def print_tpu_table(result: dict[str, Any]) -> None:
+    """The TPU figures: memory, bytes accessed and XLA's estimate, with their ratios."""
+    meta = result["meta"]
+    unit, scale = ("MiB", 2.0**-20) if meta["smoke"] else ("GiB", 2.0**-30)
+    print(
+        f"\n## {meta['target']} ({meta['topology']}; deviceless XLA:TPU compile on "
+        f"{meta['host']}), jax {meta['jax']}, libtpu {meta['libtpu']}, {meta['date']}\n"
+    )
+    head = f"| model | variant | peak {unit} | temp {unit} | rw/hand peak | GB accessed "
+    head += "| XLA's estimate ms | rw/hand estimate | converts | float8 dots | float8 upcasts "
+    head += "| compile s |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for m in result["models"].values():
+        for key, r in m["variants"].items():
+            if "hbm_oom" in r:
+                print(f"| {m['key']} | {key} | {does_not_fit(r)} |")
+                continue
+            if "peak_bytes" not in r:
+                print(f"| {m['key']} | {key} | {r.get('error', '?')[:80]} |")
+                continue
+            est = r.get("optimal_seconds")
+            if est is None and "optimal_seconds_reported" in r:
+                est_text = f"none ({r['optimal_seconds_reported']:.3g} s)"
+            else:
+                est_text = _fmt(None if est is None else est * 1e3, ".3f")
+            acc = r.get("bytes_accessed")
+            ratio = m.get("estimate_ratios", {})
+            er = next((v for k, v in ratio.items() if k.startswith(key + "/")), None)
+            print(
+                f"| {m['key']} | {key} | {r['peak_bytes'] * scale:.2f} "
+                f"| {r['temp_bytes'] * scale:.2f} | {_fmt(_ratio_of(m, key), '.3f')} "
+                f"| {_fmt(None if acc is None else acc / 1e9, '.2f')} "
+                f"| {est_text} | {_fmt(er, '.3f')} "
+                f"| {r['converts']} | {r['float8_dots']} | {r['float8_upcasts']} "
+                f"| {r['compile_s']:.0f} |"
+            )
+    print(
+        "\nXLA's estimate: optimal_seconds, XLA:TPU's cost model of the step (not a timing); "
+        "none: the model answered a negative time (shown), no estimate for that chip."
+    )
+
+
 def print_table(result: dict[str, Any]) -> None:
     meta = result["meta"]
+    if meta["platform"] == "tpu":
+        print_tpu_table(result)
+        return
     unit, scale = ("MiB", 2.0**-20) if meta["smoke"] else ("GiB", 2.0**-30)
     print(
         f"\n## {meta['target']} (deviceless XLA:GPU compile on {meta['host']}), "
@@ -381,15 +561,19 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=tuple(_gpu_models.BUILDERS), default=None)
-    parser.add_argument("--dtypes", nargs="+", choices=tuple(BY_DTYPE), default=list(BY_DTYPE))
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=tuple(BY_DTYPE), default=None,
+        help="default: all on a GPU; on a TPU f32 rw-bf16 hand-bf16 rw-fp8 rw-bf16-fused",
+    )  # fmt: skip
     parser.add_argument(
         "--variants", nargs="+", choices=tuple(_gpu_steps.VARIANTS), default=None,
         help="default: f32 and the variants of --dtypes",
     )  # fmt: skip
-    parser.add_argument("--target", choices=tuple(TARGETS), default="h200")
+    parser.add_argument("--target", choices=(*TARGETS, *TPU_TARGETS), default="h200")
     parser.add_argument(
-        "--platform", choices=("cuda", "cpu"), default="cuda",
-        help="cpu: compile for the host (no CUDA plugin; not the GPU's figures)",
+        "--platform", choices=("cuda", "tpu", "cpu"), default=None,
+        help="default: the target's (cuda, tpu); cpu: compile for the host (no CUDA plugin "
+        "or libtpu; not the accelerator's figures)",
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="toy sizes (seconds)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file to write")
@@ -401,17 +585,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "the float32 and hand-written steps do not depend on jmp_rewrite)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    family = "tpu" if args.target in TPU_TARGETS else "cuda"
+    args.platform = args.platform or family
     models = args.models or list(_gpu_models.BUILDERS)
-    variants = args.variants or ["f32", *(v for d in args.dtypes for v in BY_DTYPE[d])]
+    if args.variants:
+        variants = args.variants
+    elif family == "tpu" and args.dtypes is None:
+        variants = list(TPU_VARIANTS)
+    else:
+        variants = ["f32", *(v for d in args.dtypes or BY_DTYPE for v in BY_DTYPE[d])]
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
-    device = None
+    device, topology_name = None, None
     if args.platform == "cuda":
         from jax.experimental import topologies
 
         topology = topologies.get_topology_desc(
             platform="cuda", target_config=TARGETS[args.target], topology="1x1x1"
         )
+        device = topology.devices[0]
+    elif args.platform == "tpu":
+        from jax.experimental import topologies
+
+        topology_name = TPU_TARGETS[args.target]
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
         device = topology.devices[0]
     result: dict[str, Any] = {
         "meta": {
@@ -422,6 +619,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "jax": jax.__version__,
             "jaxlib": _gpu_steps.version_of("jaxlib"),
             "cuda_plugin": _gpu_steps.version_of("jax-cuda12-plugin"),
+            "libtpu": _gpu_steps.version_of("libtpu"),
+            "topology": topology_name,
             "jmp_rewrite": jmp_rewrite.__version__,
             "flax": _gpu_steps.version_of("flax"),
             "optax": _gpu_steps.version_of("optax"),
@@ -444,15 +643,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         result["models"][key] = rec_model
         for vkey in variants:
+            t0 = time.perf_counter()
             try:
                 compiled, seconds = compile_variant(model, vkey, device, args.platform)
                 rec = {**measure(compiled), "compile_s": seconds}
                 if args.dump_hlo is not None:
                     args.dump_hlo.mkdir(parents=True, exist_ok=True)
-                    (args.dump_hlo / f"{key}-{vkey}.hlo").write_text(compiled.as_text())
+                    name = f"{args.target}-{key}-{vkey}.hlo"
+                    (args.dump_hlo / name).write_text(compiled.as_text())
                 del compiled
             except Exception as err:  # noqa: BLE001 - record it, go on with the rest
                 rec = {"error": f"{type(err).__name__}: {err}"[:2000]}
+                if (oom := hbm_oom(str(err))) is not None:
+                    rec["hbm_oom"] = oom
+                rec["compile_s"] = time.perf_counter() - t0
             rec_model["variants"][vkey] = rec
             summarise(rec_model)
             _gpu_steps.write_json(result, args.out)
@@ -461,9 +665,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{key} {vkey}: peak {rec['peak_bytes'] * scale:.3f} {unit}, temp "
                     f"{rec['temp_bytes'] * scale:.3f} {unit}, moved "
                     f"{rec['bytes_moved'] / 1e9:.2f} GB, {rec['kernels']} kernels, "
-                    f"compile {rec['compile_s']:.0f} s",
+                    + (
+                        f"XLA's estimate {rec['optimal_seconds'] * 1e3:.3f} ms, "
+                        if rec.get("optimal_seconds") and args.platform == "tpu"
+                        else ""
+                    )
+                    + f"compile {rec['compile_s']:.0f} s",
                     flush=True,
                 )
+            elif "hbm_oom" in rec:
+                print(f"{key} {vkey}: {does_not_fit(rec)}, {rec['compile_s']:.0f} s", flush=True)
             else:
                 print(f"{key} {vkey}: {rec['error'][:500]}", flush=True)
     if args.baseline is not None:

@@ -3,13 +3,17 @@
 The script's real target is an XLA:GPU compile (``make gpu-memory``, its own environment
 with the CUDA plugin); here it compiles for the CPU (``--platform cpu``), which exercises the
 same step builders, memory analysis, HLO accounting and JSON (about 10 s: 2 compilations).
+The TPU target (``--target v5p``) needs libtpu, which only ``.venv-tpu`` has: its smoke run is
+skipped elsewhere, its message parsing and float8 counting are checked here everywhere.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
+import pytest
 from benchmark_runs import run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -149,3 +153,124 @@ def test_smoke_run_on_the_host(tmp_path):
     assert fused["peak"] > 0 and fused["moved"] > 0
     assert gpt["variants"]["rw-bf16-fused"]["fused_attention_calls"] == 0
     assert "| gpt | rw-bf16 |" in stdout
+
+
+def test_tpu_hbm_refusal_is_read():
+    import gpu_memory
+
+    message = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+        "memory required for HLO temporaries (47.68G) exceeds available HBM (15.75G). HLO "
+        "module: jit_f."
+    )
+    oom = gpu_memory.hbm_oom(message)
+    assert oom == {
+        "needs_bytes": int(47.68 * 2**30),
+        "hbm_bytes": int(15.75 * 2**30),
+        "needs": "temporaries",
+    }
+    assert gpu_memory.does_not_fit({"hbm_oom": oom}) == (
+        "does not fit (needs 47.68 GiB of temporaries; HBM 15.75 GiB)"
+    )
+    older = "Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm. Exceeded by 4.75G"
+    assert gpu_memory.hbm_oom(older)["needs"] == "all buffers"
+    assert gpu_memory.hbm_oom("INVALID_ARGUMENT: something else") is None
+
+
+def test_tpu_float8_dots_and_upcasts_are_counted():
+    import gpu_memory
+
+    kept = (
+        "  %convolution.3 = bf16[512,768]{1,0:T(8,128)(2,1)} convolution(bf16[512,3072]"
+        "{1,0:T(8,128)(2,1)} %a, f8e4m3fn[3072,768]{1,0:T(8,128)(4,1)} %w), dim_labels=bf_io->bf\n"
+    )
+    dot = "  %dot.1 = f32[8,8]{1,0} dot(f8e5m2[8,16]{1,0} %g, f8e4m3fn[16,8]{1,0} %x)\n"
+    upcast = "  %convert.9 = bf16[3072,768]{1,0:T(8,128)(2,1)} convert(f8e4m3fn[3072,768] %q)\n"
+    down = "  %convert.8 = f8e4m3fn[3072,768]{1,0} convert(bf16[3072,768]{1,0} %w)\n"
+    gpu = "%fused_gemms (a: bf16[512,3072]) -> bf16[512,768] {\n" + kept + dot + upcast + down
+    stats = gpu_memory.hlo_stats(HLO + gpu + "}\n")
+    assert stats["float8_dots"] == 2 and stats["float8_upcasts"] == 1
+    # XLA:TPU's text names operands without their types: they are looked up by name.
+    tpu = """\
+%fused_dot (param_0: f8e4m3fn[16,8], param_1: bf16[8,16]) -> bf16[8,8] {
+  %param_0 = f8e4m3fn[16,8]{1,0:T(8,128)(4,1)} parameter(0)
+  %param_1 = bf16[8,16]{1,0:T(8,128)(2,1)} parameter(1)
+  %convert.2 = bf16[16,8]{1,0:T(8,128)(2,1)} convert(%param_0)
+  ROOT %convolution.4 = bf16[8,8]{1,0} convolution(%param_1, %convert.2), dim_labels=bf_io->bf
+}
+
+%fused_f8 (param_0: f8e4m3fn[16,8], param_1: f8e4m3fn[8,16]) -> bf16[8,8] {
+  %param_0 = f8e4m3fn[16,8]{1,0:T(8,128)(4,1)} parameter(0)
+  %param_1 = f8e4m3fn[8,16]{1,0:T(8,128)(4,1)} parameter(1)
+  ROOT %convolution.5 = bf16[8,8]{1,0} convolution(%param_1, %param_0), dim_labels=bf_io->bf
+}
+"""
+    stats = gpu_memory.hlo_stats(tpu + HLO)
+    assert stats["float8_dots"] == 1 and stats["float8_upcasts"] == 1
+    assert gpu_memory.shape_bytes("f8e4m3fn[16,8]{1,0}") == 128
+    stats = gpu_memory.hlo_stats(HLO)
+    assert stats["float8_dots"] == 0 and stats["float8_upcasts"] == 0
+
+
+def test_tpu_estimate_ratios():
+    import gpu_memory
+
+    variants = {
+        "rw-bf16": {"optimal_seconds": 0.09},
+        "hand-bf16": {"optimal_seconds": 0.1},
+        "rw-fp8": {"peak_bytes": 1},
+    }
+    assert gpu_memory.estimate_ratios(variants) == {"rw-bf16/hand-bf16": 0.09 / 0.1}
+
+
+def _has_libtpu() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.skipif(
+    not _has_libtpu(),
+    reason="libtpu is not installed in this environment (make tpu-memory installs it in "
+    ".venv-tpu; a TPU compile needs it, there is no host stand-in for XLA:TPU)",
+)
+def test_tpu_smoke_run(tmp_path):
+    # A second process may load libtpu beside this one (pytest-xdist's other worker).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    out = tmp_path / "tpu_memory.json"
+    result, stdout = run_script(
+        "gpu_memory.py", out, "--target", "v5p", "--models", "gpt", "--variants", "rw-bf16",
+        "hand-bf16",
+    )  # fmt: skip
+    assert result["meta"]["platform"] == "tpu" and result["meta"]["topology"] == "v5p:1x1x1"
+    gpt = result["models"]["gpt"]
+    for rec in gpt["variants"].values():
+        assert rec["peak_bytes"] > 0 and rec["optimal_seconds"] > 0, rec
+        assert rec["bytes_accessed"] > 0 and rec["converts"] > 0, rec
+    assert set(gpt["ratios"]) == set(gpt["estimate_ratios"]) == {"rw-bf16/hand-bf16"}
+    assert "| gpt | rw-bf16 |" in stdout and "XLA's estimate" in stdout
+
+
+def test_tpu_negative_estimate_is_no_estimate():
+    import types
+
+    import gpu_memory
+
+    class Compiled:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def memory_analysis(self):
+            sizes = dict(argument=8, output=8, alias=0, temp=16)
+            return types.SimpleNamespace(**{f"{k}_size_in_bytes": v for k, v in sizes.items()})
+
+        def as_text(self):
+            return HLO
+
+        def cost_analysis(self):
+            return [{"flops": 1.0, "bytes accessed": 64.0, "optimal_seconds": self.seconds}]
+
+    assert gpu_memory.measure(Compiled(2e-3))["optimal_seconds"] == 2e-3
+    rec = gpu_memory.measure(Compiled(-59.86))  # libtpu 0.0.50.1's answer on a v6e
+    assert rec["optimal_seconds"] is None and rec["optimal_seconds_reported"] == -59.86
+    assert rec["bytes_accessed"] == 64.0 and rec["peak_bytes"] == 32
