@@ -35,7 +35,8 @@ _EXAMPLE = re.compile(
 
 
 def missing_output(expect: str, printed: str) -> str | None:
-    """The first expected line not printed, in order, or None (the rule of tests/test_docs)."""
+    """The first expected line not printed, in order, or None: ``...`` within a line is any
+    text, a line of only ``...`` any lines (the rule ``tests/test_docs.py`` checks outputs by)."""
     got = [ln.rstrip() for ln in printed.splitlines()]
     pos, gap = 0, False
     for want in (ln.rstrip() for ln in expect.strip("\n").splitlines()):
