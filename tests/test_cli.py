@@ -16,7 +16,7 @@ import pytest
 
 import jmp_rewrite
 from jmp_rewrite import demo
-from jmp_rewrite._src import cli
+from jmp_rewrite._src.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

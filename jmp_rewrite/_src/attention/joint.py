@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace.higher_order import bind
 
 #: Parameter values compared by value only.
 _PLAIN = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jmp_rewrite._src.attention_match import Label, Side
+from jmp_rewrite._src.attention.match import Label, Side
 
 _COMPARE = {"ne": "not_equal", "eq": "equal", "gt": "greater", "ge": "greater_equal"}
 _COMPARE |= {"lt": "less", "le": "less_equal"}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.attention_view import FOLDED, At, Val, View
+from jmp_rewrite._src.attention.view import FOLDED, At, Val, View
 
 #: A mask fill at or below this zeroes the masked weights in float32 as a fused kernel's
 #: own mask does (``exp(fill - max)`` is 0 for any logit above ``fill + 104``).

@@ -1,8 +1,8 @@
 """Fused attention, ``rewrite(..., fuse_attention=True)``: which attentions are replaced.
 
-Each forward attention (:mod:`~jmp_rewrite._src.attention_match`) of a painted program is
+Each forward attention (:mod:`~jmp_rewrite._src.attention.match`) of a painted program is
 replaced by one ``jax.nn.dot_product_attention`` call (emitted by
-:mod:`~jmp_rewrite._src.attention_emit`: cuDNN's flash attention on CUDA, JAX's own
+:mod:`~jmp_rewrite._src.emit.attention`: cuDNN's flash attention on CUDA, JAX's own
 elsewhere) when what it computes is what the program computes:
 
 * its intermediates (logits, probabilities) are read by nothing else: then it is the whole
@@ -10,7 +10,7 @@ elsewhere) when what it computes is what the program computes:
   differentiates the fused call) or not differentiated at all;
 * or they are read only by their own backward pass, in the same jaxpr
   (``rewrite(grad(f))``): forward and backward are found together
-  (:mod:`~jmp_rewrite._src.attention_joint`) and replaced by the fused call and its VJP.
+  (:mod:`~jmp_rewrite._src.attention.joint`) and replaced by the fused call and its VJP.
   Replacing the forward alone would save nothing while the backward still reads the
   probabilities, so an attention whose backward is not found stays as written.
 
@@ -30,13 +30,13 @@ import jax
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import shapes, source_info
-from jmp_rewrite._src.attention_joint import Unifier, forward_text, reference
-from jmp_rewrite._src.attention_layout import arrange, mask_value
-from jmp_rewrite._src.attention_match import Core, Unfused, match
-from jmp_rewrite._src.attention_view import View
-from jmp_rewrite._src.equations import is_float
-from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.attention.joint import Unifier, forward_text, reference
+from jmp_rewrite._src.attention.layout import arrange, mask_value
+from jmp_rewrite._src.attention.match import Core, Unfused, match
+from jmp_rewrite._src.attention.view import View
+from jmp_rewrite._src.trace import shapes, source_info
+from jmp_rewrite._src.trace.equations import is_float
+from jmp_rewrite._src.trace.higher_order import bind
 
 #: Constant masks and biases up to this many elements are evaluated when painting (to find
 #: a causal mask, and whether a row is left without keys).
@@ -48,7 +48,7 @@ class FusedAttention:
     """One attention replaced by a fused call.
 
     Attributes:
-      core: what it computes (:class:`~jmp_rewrite._src.attention_match.Core`).
+      core: what it computes (:class:`~jmp_rewrite._src.attention.match.Core`).
       scope: the graph scope (a ``ScopeRec``) holding its equations.
       number: its position among the program's fused attentions (from 0).
       skip: the scope's equations the fused call replaces.

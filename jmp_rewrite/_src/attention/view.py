@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
+from jmp_rewrite._src.trace import higher_order as ho
 
 #: Elementwise primitives folded when every operand is a scalar constant: ``s /
 #: jnp.sqrt(d)``, ``s * lax.rsqrt(jnp.float32(d))`` scale by a constant, as ``math.sqrt`` does.

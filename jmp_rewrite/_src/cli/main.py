@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jmp_rewrite._src.cli_inputs import (
+from jmp_rewrite._src.cli.inputs import (
     DTYPE_ALIASES,
     UsageError,
     concrete,
@@ -227,7 +227,7 @@ def _add_inputs(p: argparse.ArgumentParser, dtypes: Sequence[str]) -> None:
     p.add_argument(
         "--dtype", choices=dtypes, default="float16", help="half-precision dtype (default: float16)"
     )
-    from jmp_rewrite._src.op_lists import LEVELS
+    from jmp_rewrite._src.lists.op_lists import LEVELS
 
     p.add_argument(
         "--level",

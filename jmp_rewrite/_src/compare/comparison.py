@@ -2,7 +2,7 @@
 
 :class:`EquationComparison` (how one equation's outputs differ between the float32 and the
 rewritten run) and :class:`Comparison` (all of them, the suggestions, and the queries and
-renderings over them); :mod:`~jmp_rewrite._src.compare` runs the two programs and fills them.
+renderings over them); :mod:`~jmp_rewrite._src.compare.run` runs the two programs and fills them.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jmp_rewrite._src import op_lists as op_lists_lib
-from jmp_rewrite._src.facts import EquationPaint
-from jmp_rewrite._src.suggest import TO_REGION, Suggestion, fmt_error
+from jmp_rewrite._src.compare.suggest import TO_REGION, Suggestion, fmt_error
+from jmp_rewrite._src.emit.facts import EquationPaint
+from jmp_rewrite._src.lists import op_lists as op_lists_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The eager side of ``compare``: the emitter's loop run on concrete values, recorded.
 
-:class:`Recorder` is the :class:`~jmp_rewrite._src.emit.Emitter`'s control and hooks at once:
-the emitter's one interpreter loop reads operands, inserts casts and runs leaf equations as
+:class:`Recorder` is the :class:`~jmp_rewrite._src.emit.emitter.Emitter`'s control and hooks at
+once: the emitter's one interpreter loop reads operands, inserts casts and runs leaf equations as
 the rewrite does; the recorder decides how higher-order equations execute (call bodies
 inline, a ``cond``'s selected branch, loops unrolled in Python, so every value is concrete)
 and records every painted vertex's float outputs. Straight-line stretches are compiled as one
@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.emit import Emitter, Hooks, Staged, cast
-from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
-from jmp_rewrite._src.painting import Painting
+from jmp_rewrite._src.emit.emitter import Emitter, Hooks, Staged, cast
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace.graph import EqnRec, Graph, ScopeRec
 
 _TINY = float(np.finfo(np.float32).tiny)
 

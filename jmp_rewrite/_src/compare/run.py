@@ -6,7 +6,7 @@ twice on the same concrete inputs by an interpreter over the painting graph:
 * once with an empty painting: the float32 reference, every equation in its original dtype;
 * once with the real painting: each equation runs in half precision or float32 as the
   rewritten program runs it (the same casts, inserted by the same
-  :class:`~jmp_rewrite._src.emit.Emitter` code).
+  :class:`~jmp_rewrite._src.emit.emitter.Emitter` code).
 
 Values inside ``jax.make_jaxpr``-traced bodies are tracers and cannot be looked at, so the
 interpreter does not re-bind higher-order equations: call bodies (``jit``, ``closed_call``,
@@ -39,19 +39,19 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import op_lists as op_lists_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
-from jmp_rewrite._src import source_info
-from jmp_rewrite._src.comparison import Comparison, EquationComparison
-from jmp_rewrite._src.eager import EMPTY, Recorder, Stats
-from jmp_rewrite._src.equations import is_f32, is_float
-from jmp_rewrite._src.facts import equation_facts
+from jmp_rewrite._src.compare.comparison import Comparison, EquationComparison
+from jmp_rewrite._src.compare.eager import EMPTY, Recorder, Stats
+from jmp_rewrite._src.compare.suggest import fmt_error, suggest
+from jmp_rewrite._src.emit.facts import equation_facts
 from jmp_rewrite._src.fp8 import Fp8Rules
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.paint_additions import half_accumulating_carries
-from jmp_rewrite._src.painting import Painting
-from jmp_rewrite._src.suggest import fmt_error, suggest
+from jmp_rewrite._src.lists import op_lists as op_lists_lib
+from jmp_rewrite._src.paint.additions import half_accumulating_carries
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.trace import source_info
+from jmp_rewrite._src.trace.equations import is_f32, is_float
+from jmp_rewrite._src.trace.graph import Graph, Node
 
 #: Default tolerance on the relative error, per half-precision dtype: 20 (float16) or 13
 #: (bfloat16) units of roundoff, room for a few roundings to accumulate.
@@ -129,7 +129,7 @@ def _half_carry_notes(
     graph: Graph, painting: Painting, stats: dict[int, Stats], dtype: np.dtype
 ) -> list[str]:
     """Loop carries run in half precision that add to themselves (see
-    :func:`~jmp_rewrite._src.paint_additions.half_accumulating_carries`), with their measured
+    :func:`~jmp_rewrite._src.paint.additions.half_accumulating_carries`), with their measured
     error."""
     notes = []
     for carry, path in half_accumulating_carries(graph, painting).items():

@@ -9,11 +9,11 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_rewrite._src.eager import Stats
-from jmp_rewrite._src.equations import has_jaxpr_param
-from jmp_rewrite._src.facts import user_scope
-from jmp_rewrite._src.graph import Graph
-from jmp_rewrite._src.painting import Painting
+from jmp_rewrite._src.compare.eager import Stats
+from jmp_rewrite._src.emit.facts import user_scope
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.trace.equations import has_jaxpr_param
+from jmp_rewrite._src.trace.graph import Graph
 
 #: Suggestion targets: a list change, or a float32 region (when lists cannot help).
 TO_DENY = "deny"

@@ -36,11 +36,11 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.attention import FusedAttention
-from jmp_rewrite._src.attention_layout import arrange, mask_value, place
-from jmp_rewrite._src.attention_match import Core, Side
-from jmp_rewrite._src.clamping import clamp
-from jmp_rewrite._src.custom_rules import cast
+from jmp_rewrite._src.attention.layout import arrange, mask_value, place
+from jmp_rewrite._src.attention.match import Core, Side
+from jmp_rewrite._src.attention.select import FusedAttention
+from jmp_rewrite._src.emit.clamping import clamp
+from jmp_rewrite._src.emit.custom_rules import cast
 
 
 def _heads(batch: tuple[int, ...]) -> tuple[int, int]:
@@ -218,7 +218,8 @@ def cudnn_traceable() -> bool:
 
 
 class Fusion:
-    """What :class:`~jmp_rewrite._src.emit.Emitter` does at a fused attention's equations."""
+    """What :class:`~jmp_rewrite._src.emit.emitter.Emitter` does at a fused attention's
+    equations."""
 
     def __init__(self, selection: Any):
         self.selection = selection

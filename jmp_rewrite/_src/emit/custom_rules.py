@@ -23,10 +23,10 @@ from jax.custom_derivatives import SymbolicZero
 from jax.dtypes import float0
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src import shapes
-from jmp_rewrite._src.graph import is_float
-from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace import shapes
+from jmp_rewrite._src.trace.graph import is_float
+from jmp_rewrite._src.trace.higher_order import bind
 
 
 def rewrap(em: Any, eqn: Any, rec: Any, invals: list[Any]) -> list[Any]:

@@ -28,31 +28,31 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import attention_emit, custom_rules
 from jmp_rewrite._src import fp8 as fp8_lib
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.clamping import _fits, clamp, literal
-from jmp_rewrite._src.custom_rules import cast
-from jmp_rewrite._src.equations import (
+from jmp_rewrite._src.emit.attention import Fusion
+from jmp_rewrite._src.emit.clamping import _fits, clamp, literal
+from jmp_rewrite._src.emit.custom_rules import cast, rewrap
+from jmp_rewrite._src.emit.masking import Flags
+from jmp_rewrite._src.emit.tangents import (
+    Unsaturated,
+    float32_tangents,
+    reads_magnitude,
+    transpose_accumulates,
+)
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.paint.passes import paint
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace.equations import (
     SCATTER_REBUILDERS,
     is_f32,
     is_float,
     rebuild_scatter,
     sealed,
 )
-from jmp_rewrite._src.graph import EqnRec, Graph, ScopeRec
-from jmp_rewrite._src.graph_records import sums_over_trips
-from jmp_rewrite._src.higher_order import bind
-from jmp_rewrite._src.masking import Flags
-from jmp_rewrite._src.paint import paint
-from jmp_rewrite._src.painting import Painting
-from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE, in_float32_region
-from jmp_rewrite._src.tangents import (
-    Unsaturated,
-    float32_tangents,
-    reads_magnitude,
-    transpose_accumulates,
-)
+from jmp_rewrite._src.trace.graph import EqnRec, Graph, ScopeRec
+from jmp_rewrite._src.trace.graph_records import sums_over_trips
+from jmp_rewrite._src.trace.higher_order import bind
+from jmp_rewrite._src.trace.regions import FLOAT32_REGION_SCOPE, in_float32_region
 
 _DTYPE_PARAMS = ("preferred_element_type",)
 #: Sums painted half precision still accumulate in float32 (cast, sum, cast back when read
@@ -90,7 +90,7 @@ class Staged:
     """How higher-order equations execute: re-bound with rewritten bodies (the rewrite).
 
     ``compare`` subclasses it to run control flow eagerly in Python. One method per kind of
-    :mod:`~jmp_rewrite._src.higher_order` primitive; each gets the operands already read in
+    :mod:`~jmp_rewrite._src.trace.higher_order` primitive; each gets the operands already read in
     the dtypes the painting wants (see :meth:`Emitter.operands`).
     """
 
@@ -199,7 +199,7 @@ class Emitter:
         self.where = ""
         #: fused attentions (``fuse_attention=True``): run at their equations, or None
         chosen = painting.attention
-        self.fusion = attention_emit.Fusion(chosen) if chosen is not None and chosen.fused else None
+        self.fusion = Fusion(chosen) if chosen is not None and chosen.fused else None
         #: which elements of big values a constant put out of range (see ``masking``).
         self.flags = Flags(self.half)
         #: the float32 values of operands half saturated, for derivatives (``tangents``).
@@ -575,8 +575,8 @@ class Emitter:
 
     def custom(self, eqn: Any, rec: EqnRec, invals: list[Any]) -> list[Any]:
         """Re-wraps a custom derivative so its rule runs as written (see
-        :func:`~jmp_rewrite._src.custom_rules.rewrap`)."""
-        return custom_rules.rewrap(self, eqn, rec, invals)
+        :func:`~jmp_rewrite._src.emit.custom_rules.rewrap`)."""
+        return rewrap(self, eqn, rec, invals)
 
 
 def _const(rec: EqnRec, i: int) -> bool:

@@ -14,12 +14,12 @@ import dataclasses
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.emit import accumulates_in_float32
-from jmp_rewrite._src.equations import is_f32, is_float
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.painting import Painting
-from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE
-from jmp_rewrite._src.source_info import split_name_stack
+from jmp_rewrite._src.emit.emitter import accumulates_in_float32
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.trace.equations import is_f32, is_float
+from jmp_rewrite._src.trace.graph import Graph, Node
+from jmp_rewrite._src.trace.regions import FLOAT32_REGION_SCOPE
+from jmp_rewrite._src.trace.source_info import split_name_stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ def dtypes_after(node: Node, colour: str, half: str) -> dict[str, tuple[str, ...
     """Float input dtypes and output dtypes of a vertex, before and as the rewrite runs it.
 
     A retargeted cast takes its input as it is and a half sum accumulates in float32 (see
-    :func:`~jmp_rewrite._src.emit.accumulates_in_float32`): their inputs keep their dtypes.
+    :func:`~jmp_rewrite._src.emit.emitter.accumulates_in_float32`): their inputs keep their dtypes.
     """
     to_half = colour == "allow"
     if node.eqn is None:  # structural vertex: a carry, cond output or scan stream

@@ -35,8 +35,8 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.equations import is_float
-from jmp_rewrite._src.higher_order import bind
+from jmp_rewrite._src.trace.equations import is_float
+from jmp_rewrite._src.trace.higher_order import bind
 
 #: A sum holds its big operand's value (``sub`` negates its second operand's flag).
 _SUMS = frozenset({"add", "sub", "add_any"})

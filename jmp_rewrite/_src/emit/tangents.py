@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src import shapes
-from jmp_rewrite._src.custom_rules import cast
-from jmp_rewrite._src.equations import is_float
-from jmp_rewrite._src.masking import MOVES_FIRST, SCALE_FREE_TANGENTS
-from jmp_rewrite._src.origins import beyond
+from jmp_rewrite._src.emit.custom_rules import cast
+from jmp_rewrite._src.emit.masking import MOVES_FIRST, SCALE_FREE_TANGENTS
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace import shapes
+from jmp_rewrite._src.trace.equations import is_float
+from jmp_rewrite._src.trace.origins import beyond
 
 #: Leaf primitives whose transpose accumulates: a gather's is a scatter-add (an embedding
 #: gradient), an expanding broadcast's a sum (a bias gradient), and so is an elementwise op's

@@ -18,20 +18,22 @@ import jax
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_rewrite._src import explain_html, explain_view, shapes, source_info
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
-from jmp_rewrite._src.emit import Emitter, Hooks
-from jmp_rewrite._src.equations import is_float
-from jmp_rewrite._src.explain_html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
-from jmp_rewrite._src.facts import dtypes_after, equation_facts
+from jmp_rewrite._src.emit.emitter import Emitter, Hooks
+from jmp_rewrite._src.emit.facts import dtypes_after, equation_facts
+from jmp_rewrite._src.explain import html as explain_html
+from jmp_rewrite._src.explain import view as explain_view
+from jmp_rewrite._src.explain.html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
+from jmp_rewrite._src.explain.report import CastReport, EquationReport, ReportData
 from jmp_rewrite._src.fp8 import Fp8Rules
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.graph_records import walk_scopes
-from jmp_rewrite._src.op_lists import OpLists
-from jmp_rewrite._src.paint import deny_releases
-from jmp_rewrite._src.paint_additions import half_accumulating_carries
-from jmp_rewrite._src.report import CastReport, EquationReport, ReportData
+from jmp_rewrite._src.lists.op_lists import OpLists
+from jmp_rewrite._src.paint.additions import half_accumulating_carries
+from jmp_rewrite._src.paint.passes import deny_releases
+from jmp_rewrite._src.trace import shapes, source_info
+from jmp_rewrite._src.trace.equations import is_float
+from jmp_rewrite._src.trace.graph import Graph, Node
+from jmp_rewrite._src.trace.graph_records import walk_scopes
 
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
@@ -67,7 +69,7 @@ class Report(ReportData):
             source line) or ``"primitive"``.
 
         Returns:
-          :class:`~jmp_rewrite._src.explain_view.Group`\\ s in program order, each with
+          :class:`~jmp_rewrite._src.explain.view.Group`\\ s in program order, each with
           ``total`` and ``phases`` (forward/backward/optimizer) statistics: equations,
           share in half precision, casts, matmul/conv FLOPs in half, bytes produced in
           float32 and in half precision after the rewrite.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import html
 
-from jmp_rewrite._src import source_info as si
-from jmp_rewrite._src.explain_view import (
+from jmp_rewrite._src.explain.report import EquationReport, ReportData
+from jmp_rewrite._src.explain.view import (
     _ABBR,
     _KIND_TITLES,
     _LONG_TABLE,
@@ -30,7 +30,7 @@ from jmp_rewrite._src.explain_view import (
     lint,
     phase_totals,
 )
-from jmp_rewrite._src.report import EquationReport, ReportData
+from jmp_rewrite._src.trace import source_info as si
 
 #: Colours of the HTML report, one per list (and a strong tint for half precision).
 LIST_COLOURS = {

@@ -2,8 +2,8 @@
 
 :class:`EquationReport` (one per equation), :class:`CastReport` (one per cast inserted) and
 :class:`ReportData` (the report's fields, totals and plain-text form). The views
-(:mod:`~jmp_rewrite._src.explain_view`, :mod:`~jmp_rewrite._src.explain_html`) import this
-module; :mod:`~jmp_rewrite._src.explain` builds the report and gives
+(:mod:`~jmp_rewrite._src.explain.view`, :mod:`~jmp_rewrite._src.explain.html`) import this
+module; :mod:`~jmp_rewrite._src.explain.build` builds the report and gives
 :class:`jmp_rewrite.Report` its view methods, so no module points back up.
 """
 
@@ -14,8 +14,8 @@ import dataclasses
 import math
 from typing import Any
 
-from jmp_rewrite._src import shapes
-from jmp_rewrite._src.facts import EquationPaint
+from jmp_rewrite._src.emit.facts import EquationPaint
+from jmp_rewrite._src.trace import shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ class CastReport:
 @dataclasses.dataclass(frozen=True)
 class ReportData:
     """The data of a :class:`jmp_rewrite.Report`: its fields, totals and plain-text form (the
-    views of :mod:`~jmp_rewrite._src.explain_view` and :mod:`~jmp_rewrite._src.explain_html`
+    views of :mod:`~jmp_rewrite._src.explain.view` and :mod:`~jmp_rewrite._src.explain.html`
     read it; see :class:`jmp_rewrite.Report` for the fields)."""
 
     dtype: str

@@ -1,7 +1,7 @@
 """Readable views of an :func:`jmp_rewrite.explain` report: by scope, source line or primitive.
 
 * :func:`groups`: equations grouped by model scope (Flax/Haiku module path, named scope, or
-  NNX attribute path, see :mod:`jmp_rewrite._src.source_info`), by the user's source line or
+  NNX attribute path, see :mod:`jmp_rewrite._src.trace.source_info`), by the user's source line or
   by primitive; per group and per phase (forward, backward, optimizer) the equations, the
   share in half precision, the casts, the matmul/conv FLOPs in half precision and the bytes
   the equations produce in float32 and in half precision after the rewrite.
@@ -9,7 +9,7 @@
   feature dimensions are not multiples of 8 (NVIDIA's tensor cores need them in float16 and
   bfloat16; the guidance TF's mixed-precision guide cites), and deny-list ops whose deny
   chain keeps equations float32 that one list change would release, with the risk.
-* :func:`format_groups` (text); the HTML tree lives in :mod:`jmp_rewrite._src.explain_html`.
+* :func:`format_groups` (text); the HTML tree lives in :mod:`jmp_rewrite._src.explain.html`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import math
 import textwrap
 from typing import Any
 
-from jmp_rewrite._src import shapes as shape_lib
-from jmp_rewrite._src import source_info as si
-from jmp_rewrite._src.emit import ACCUMULATING
-from jmp_rewrite._src.op_lists import REASONS
-from jmp_rewrite._src.report import EquationReport, ReportData
+from jmp_rewrite._src.emit.emitter import ACCUMULATING
+from jmp_rewrite._src.explain.report import EquationReport, ReportData
+from jmp_rewrite._src.lists.op_lists import REASONS
+from jmp_rewrite._src.trace import shapes as shape_lib
+from jmp_rewrite._src.trace import source_info as si
 
 BY = ("scope", "line", "primitive")
 #: Tensor cores take float16/bfloat16 GEMMs whose dimensions are multiples of this.

@@ -28,7 +28,7 @@ from typing import Any
 
 from jax.typing import DTypeLike
 
-from jmp_rewrite._src import op_lists as ol
+from jmp_rewrite._src.lists import op_lists as ol
 
 #: The two families of variable names.
 JMP_PREFIX = "JMP_REWRITE_"

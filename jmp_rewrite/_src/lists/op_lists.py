@@ -39,7 +39,7 @@ adds a primitive that is not classified.
 Misuse to avoid: these are *TF's* choices, kept for parity. For example ``reduce_sum`` is deny
 in float16 (so layer-norm and batch-norm statistics stay float32) but infer in bfloat16, and
 ``rsqrt`` is unlisted in float16. Change them with :meth:`OpLists.add` / :meth:`OpLists.remove`
-or TF's environment variables (:mod:`jmp_rewrite._src.environment`), not by editing the tables
+or TF's environment variables (:mod:`jmp_rewrite._src.lists.environment`), not by editing the tables
 here.
 """
 

@@ -23,8 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_rewrite._src.finite import LossScaleDebugState
-from jmp_rewrite._src.loss_scale_state import LossScaleOptimizerState, _state_nodes
+from jmp_rewrite._src.loss_scale.finite import LossScaleDebugState
+from jmp_rewrite._src.loss_scale.state import LossScaleOptimizerState, _state_nodes
 
 ArrayTree = Any
 

@@ -5,7 +5,7 @@ gradients of ``loss * loss_scale`` (see :func:`scale_loss` and :func:`value_and_
 in three pieces shaped like ``optax.apply_if_finite``:
 
 1. checks that they are all finite after unscaling with the scale that was in force when the
-   loss was scaled (:func:`jmp_rewrite._src.finite.check_finite`);
+   loss was scaled (:func:`jmp_rewrite._src.loss_scale.finite.check_finite`);
 2. runs the inner optimizer on the unscaled float32 gradients, or returns zero updates with
    the inner state untouched (:func:`_apply_or_skip`), so Adam's step count and moments, and
    any schedule inside, do not advance on a skipped step (TF: "nor is ``global_step``
@@ -26,7 +26,7 @@ How it can be misused:
 * Wrap :class:`optax.MultiSteps`, do not put this inside it (see :func:`loss_scale_optimizer`).
 * One per optimizer: ``init`` refuses a loss-scale optimizer anywhere inside this one (it would
   unscale a second time), and ``update`` refuses a state its ``init`` does not make
-  (:mod:`jmp_rewrite._src.loss_scale_checks`).
+  (:mod:`jmp_rewrite._src.loss_scale.checks`).
 
 References:
   Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, 2018.
@@ -45,16 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jmp_rewrite._src.finite import (
+from jmp_rewrite._src.loss_scale.checks import check_state, refuse_nested
+from jmp_rewrite._src.loss_scale.finite import (
     AxisName,
     LossScaleDebugState,
     all_finite,
     check_finite,
     unscale,
 )
-from jmp_rewrite._src.loss_scale import DynamicLossScale, FixedLossScale, LossScale
-from jmp_rewrite._src.loss_scale_checks import check_state, refuse_nested
-from jmp_rewrite._src.loss_scale_state import (
+from jmp_rewrite._src.loss_scale.scale import DynamicLossScale, FixedLossScale, LossScale
+from jmp_rewrite._src.loss_scale.state import (
     LossScaleOptimizerState,
     UnscaledGradientsWarning,
     check_loss_was_scaled,
@@ -65,7 +65,7 @@ from jmp_rewrite._src.loss_scale_state import (
     scale_loss,
     value_and_grad,
 )
-from jmp_rewrite._src.regions import float32_region
+from jmp_rewrite._src.trace.regions import float32_region
 
 # The public names of loss scaling, imported by ``jmp_rewrite`` from this module.
 __all__ = [

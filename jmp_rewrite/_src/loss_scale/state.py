@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_rewrite._src import nnx_support
-from jmp_rewrite._src.finite import LossScaleDebugState
+from jmp_rewrite._src.loss_scale.finite import LossScaleDebugState
 
 ArrayTree = Any
 

@@ -1,4 +1,4 @@
-"""The painting passes jmp_rewrite adds to TF's (:mod:`jmp_rewrite._src.paint` runs them).
+"""The painting passes jmp_rewrite adds to TF's (:mod:`jmp_rewrite._src.paint.passes` runs them).
 
 TF keeps some values float32 by means a jaxpr does not have: stateful ops on no list
 (``AssignMovingAvg``), fused kernels computing their statistics in float32 (``FusedBatchNorm``'s
@@ -16,15 +16,15 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.equations import is_f32, sealed
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.origins import (
+from jmp_rewrite._src.paint.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
+from jmp_rewrite._src.trace.equations import is_f32, sealed
+from jmp_rewrite._src.trace.graph import Graph, Node
+from jmp_rewrite._src.trace.origins import (
     COMBINES,
     SCATTER_COMBINES,
     carries_magnitude,
     updates_state,
 )
-from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, Painting, _dfs, _fanin, _fanout
 
 
 def _keep_float32(g: Graph, p: Painting, ids: Iterable[int], why: str) -> None:
@@ -273,7 +273,7 @@ def keep_state_updates_float32(g: Graph, p: Painting) -> None:
       (``y + dt / 6 * (k1 + 2 k2 + 2 k3 + k4)``, ``p - lr * g``, ``where(ok, new, old)``,
       ``m * ema + (1 - m) * x``): as TF's v2 loop variables, it stays float32, instead of
       being rounded every iteration (the carry and its chain in the body; see
-      :class:`~jmp_rewrite._src.graph.LoopState`).
+      :class:`~jmp_rewrite._src.trace.graph.LoopState`).
 
     The chain from the state to the new value keeps float32, and so does the linear tail of
     the increment (sums and scalings by constants: ``- 3e-3 * g``, ``dt / 6 * (...)``), so

@@ -1,6 +1,6 @@
 """The record of a painting and the graph walks its passes share.
 
-:class:`Painting` holds every per-node decision of :func:`jmp_rewrite._src.paint.paint`'s
+:class:`Painting` holds every per-node decision of :func:`jmp_rewrite._src.paint.passes.paint`'s
 passes (colour, kept float32, kind override, float8 choice); the passes read the graph and
 write the painting, never the graph. The walks are TF's ``DfsTypeTraversal`` and its uses.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from jmp_rewrite._src.attention import AttentionSelection
+from jmp_rewrite._src.attention.select import AttentionSelection
 from jmp_rewrite._src.fp8 import Fp8Selection
-from jmp_rewrite._src.graph import Node
+from jmp_rewrite._src.trace.graph import Node
 
 ALLOW, INFER, DENY, CLEAR, UNLISTED = "allow", "infer", "deny", "clear", "unlisted"
 
@@ -32,7 +32,7 @@ class Painting:
       fp8: the matmuls run in float8 (a :class:`~jmp_rewrite._src.fp8.Fp8Selection`), or
         None without ``fp8=True``.
       attention: the attentions fused (an
-        :class:`~jmp_rewrite._src.attention.AttentionSelection`), or None without
+        :class:`~jmp_rewrite._src.attention.select.AttentionSelection`), or None without
         ``fuse_attention=True``.
       kept: node id -> the pass that took it out of painting (kept float32; see
         ``paint_additions._keep_float32``): no longer processed, whatever its list.

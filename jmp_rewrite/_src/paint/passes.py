@@ -1,9 +1,9 @@
-"""TF's painting passes, run on the flat graph of :mod:`jmp_rewrite._src.graph`.
+"""TF's painting passes, run on the flat graph of :mod:`jmp_rewrite._src.trace.graph`.
 
 Each pass is a function named after, and citing, the grappler pass it reproduces
 (``tensorflow/core/grappler/optimizers/auto_mixed_precision.cc``, TF 2.21). They run in TF's
-order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint_additions`) first; the
-result, a :class:`~jmp_rewrite._src.painting.Painting`, records for every node whether it is
+order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint.additions`) first; the
+result, a :class:`~jmp_rewrite._src.paint.painting.Painting`, records for every node whether it is
 painted half precision ("allow") and which pass decided that. No pass changes the graph.
 """
 
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import collections
 
-from jmp_rewrite._src import attention as attention_lib
 from jmp_rewrite._src import fp8 as fp8_lib
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.paint_additions import (
+from jmp_rewrite._src.attention import select as attention_lib
+from jmp_rewrite._src.paint.additions import (
     find_big_values,
     inherit_unit_colours,
     keep_float32_reads_unrounded,
@@ -26,8 +25,18 @@ from jmp_rewrite._src.paint_additions import (
     keep_unrun_loop_carries_float32,
     release_saturated_powers,
 )
-from jmp_rewrite._src.paint_recurrences import keep_recurrence_coefficients_float32
-from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, INFER, Painting, _dfs, _fanin, _fanout
+from jmp_rewrite._src.paint.painting import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    INFER,
+    Painting,
+    _dfs,
+    _fanin,
+    _fanout,
+)
+from jmp_rewrite._src.paint.recurrences import keep_recurrence_coefficients_float32
+from jmp_rewrite._src.trace.graph import Graph, Node
 
 
 def add_allowlist_ops(g: Graph, p: Painting, force_all: bool) -> None:

@@ -1,5 +1,5 @@
 """The coefficients of linear recurrences stay float32 (a pass :mod:`paint` runs after the
-state pass of :mod:`jmp_rewrite._src.paint_additions`).
+state pass of :mod:`jmp_rewrite._src.paint.additions`).
 
 A gated linear recurrence ``h_t = a_t * h_{t-1} + b_t`` -- a gated RNN (minGRU, HGRN), a
 state-space model (Mamba's ``exp(softplus(.) * A)``, an LRU's decay), an RWKV time decay --
@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.graph import Graph, Node
-from jmp_rewrite._src.origins import LINEAR_OR_MOVING
-from jmp_rewrite._src.paint_additions import _keep_float32, recurrence_chains
-from jmp_rewrite._src.painting import ALLOW, Painting, _dfs, _fanin
+from jmp_rewrite._src.paint.additions import _keep_float32, recurrence_chains
+from jmp_rewrite._src.paint.painting import ALLOW, Painting, _dfs, _fanin
+from jmp_rewrite._src.trace.graph import Graph, Node
+from jmp_rewrite._src.trace.origins import LINEAR_OR_MOVING
 
 #: Element selections a piece of a value is cut out by (``a[1::2]``, ``a[t]``, a shift);
 #: with the value-preserving steps around them.

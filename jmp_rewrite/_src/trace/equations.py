@@ -17,8 +17,8 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.op_lists import dot_general_key, integer_pow_key
+from jmp_rewrite._src.lists.op_lists import dot_general_key, integer_pow_key
+from jmp_rewrite._src.trace import higher_order as ho
 
 #: Leaf primitives whose params hold a dtype-specific jaxpr (a reduction region) but that
 #: jmp_rewrite knows how to re-emit at another dtype through a public ``jax.lax`` function.

@@ -33,8 +33,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src.equations import (
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace.equations import (
     SCATTER_REBUILDERS,
     eqn_is_float32,
     false_at_once,
@@ -48,8 +48,8 @@ from jmp_rewrite._src.equations import (
     sealed,
     touches_complex,
 )
-from jmp_rewrite._src.graph_records import EqnRec, Node, ScopeRec
-from jmp_rewrite._src.origins import (
+from jmp_rewrite._src.trace.graph_records import EqnRec, Node, ScopeRec
+from jmp_rewrite._src.trace.origins import (
     NOWHERE,
     LoopState,
     Origin,
@@ -62,7 +62,7 @@ from jmp_rewrite._src.origins import (
     select_origin,
     stacked_origins,
 )
-from jmp_rewrite._src.regions import in_float32_region
+from jmp_rewrite._src.trace.regions import in_float32_region
 
 #: Kinds of higher-order equation whose body is inlined as a call.
 _CALL_KINDS = (ho.CALL, ho.CUSTOM_JVP, ho.CUSTOM_VJP, ho.SHARD_MAP)

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jmp_rewrite._src.origins import NOWHERE, Origin
+from jmp_rewrite._src.trace.origins import NOWHERE, Origin
 
 
 def walk_scopes(scope: ScopeRec, ctx: Any, step: Callable[[Any, Any, EqnRec], Any]) -> None:

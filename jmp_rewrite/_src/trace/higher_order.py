@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import shapes
+from jmp_rewrite._src.trace import shapes
 
 #: Kinds: how the rewrite treats the equation.
 CALL = "call"  # a function call: the body is inlined into the painting graph

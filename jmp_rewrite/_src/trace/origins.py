@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_rewrite._src.op_lists import ANNOTATIONS
+from jmp_rewrite._src.lists.op_lists import ANNOTATIONS
 
 
 def _is_float(dtype: Any) -> bool:

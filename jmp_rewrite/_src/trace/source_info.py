@@ -36,8 +36,8 @@ import sysconfig
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.graph_records import walk_scopes
-from jmp_rewrite._src.regions import region_names
+from jmp_rewrite._src.trace.graph_records import walk_scopes
+from jmp_rewrite._src.trace.regions import region_names
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 PHASES = (FORWARD, BACKWARD, OPTIMIZER)
@@ -64,7 +64,7 @@ _LAYER_DIRS = (("flax", "nnx", "nn"), ("equinox", "nn"))
 #: Optimizer code (relative to the package roots); ``optax/losses`` is the loss, not it.
 _OPTIMIZER_PARTS = (("optax",), ("flax", "nnx", "training"), ("flax", "training"))
 _NOT_OPTIMIZER_PARTS = (("optax", "losses"),)
-_LOSS_SCALE_OPTIMIZER = os.path.join("jmp_rewrite", "_src", "loss_scale_optimizer.py")
+_LOSS_SCALE_OPTIMIZER = os.path.join("jmp_rewrite", "_src", "loss_scale", "optimizer.py")
 
 _IPYTHON_CELL = re.compile(r"ipykernel_\d+[/\\]\d+\.py$")
 _WRAPPER = re.compile(r"^([A-Za-z_][\w\-]*)\((.*)\)$")
@@ -298,7 +298,7 @@ def origins(graph: Any) -> dict[int, Origin]:
     or ``cond`` they belong to).
 
     Args:
-      graph: a :class:`jmp_rewrite._src.graph.Graph`.
+      graph: a :class:`jmp_rewrite._src.trace.graph.Graph`.
 
     Returns:
       Node id -> origin.
