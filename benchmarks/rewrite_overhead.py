@@ -61,10 +61,10 @@ import _models  # noqa: E402
 
 import jmp_rewrite  # noqa: E402
 from jmp_rewrite._src import _jax_compat as jc  # noqa: E402
-from jmp_rewrite._src.emit import Emitter  # noqa: E402
-from jmp_rewrite._src.graph import Graph  # noqa: E402
-from jmp_rewrite._src.paint import paint as paint_graph  # noqa: E402
+from jmp_rewrite._src.emit.emitter import Emitter  # noqa: E402
+from jmp_rewrite._src.paint.passes import paint as paint_graph  # noqa: E402
 from jmp_rewrite._src.settings import resolve_config  # noqa: E402
+from jmp_rewrite._src.trace.graph import Graph  # noqa: E402
 
 # The rewrite's pieces, timed separately (benchmark only; tests use the public API).
 from jmp_rewrite.demo.report import machine  # noqa: E402

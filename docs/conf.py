@@ -75,7 +75,7 @@ nitpick_ignore_regex = [
         r"(\..*)?",
     ),
     # The type variables of decorators (``F = TypeVar("F", bound=Callable)``).
-    ("py:class", r"(jmp_rewrite\._src\.\w+\.)?F"),
+    ("py:class", r"(jmp_rewrite\._src\.(\w+\.)+)?F"),
     (
         "py:.*",
         r"(Array|ArrayLike|DTypeLike|PyTree|Any|Callable|Sequence|Mapping|Iterable|"

@@ -7,18 +7,17 @@ Public names only; the implementation lives in ``jmp_rewrite._src``, which is pr
 #: from here) and the documentation site show it.
 __version__ = "0.1.0"
 
-from jmp_rewrite._src.environment import lists_from_environment as lists_from_environment
-from jmp_rewrite._src.explain import CastReport as CastReport
-from jmp_rewrite._src.explain import EquationReport as EquationReport
-from jmp_rewrite._src.explain import Report as Report
-from jmp_rewrite._src.explain import explain as explain
-from jmp_rewrite._src.facts import EquationPaint as EquationPaint
+from jmp_rewrite._src.emit.facts import EquationPaint as EquationPaint
+from jmp_rewrite._src.explain.build import CastReport as CastReport
+from jmp_rewrite._src.explain.build import EquationReport as EquationReport
+from jmp_rewrite._src.explain.build import Report as Report
+from jmp_rewrite._src.explain.build import explain as explain
 from jmp_rewrite._src.fp8 import Fp8Rules as Fp8Rules
-from jmp_rewrite._src.op_lists import LEVELS as LEVELS
-from jmp_rewrite._src.op_lists import OpLists as OpLists
-from jmp_rewrite._src.op_lists import default_lists as default_lists
-from jmp_rewrite._src.op_lists import known_op_keys as known_op_keys
-from jmp_rewrite._src.regions import float32_region as float32_region
+from jmp_rewrite._src.lists.environment import lists_from_environment as lists_from_environment
+from jmp_rewrite._src.lists.op_lists import LEVELS as LEVELS
+from jmp_rewrite._src.lists.op_lists import OpLists as OpLists
+from jmp_rewrite._src.lists.op_lists import default_lists as default_lists
+from jmp_rewrite._src.lists.op_lists import known_op_keys as known_op_keys
 from jmp_rewrite._src.rewrite import PaintResult as PaintResult
 from jmp_rewrite._src.rewrite import paint_program as paint
 from jmp_rewrite._src.rewrite import rewrite as rewrite
@@ -35,6 +34,7 @@ from jmp_rewrite._src.seed import (
 from jmp_rewrite._src.settings import Fp8NoneSelectedWarning as Fp8NoneSelectedWarning
 from jmp_rewrite._src.settings import RewriteOffWarning as RewriteOffWarning
 from jmp_rewrite._src.settings import platform_dtype as platform_dtype
+from jmp_rewrite._src.trace.regions import float32_region as float32_region
 
 __all__ = (
     "LEVELS",
@@ -63,11 +63,7 @@ __all__ = (
 
 # --- loss scaling (begin) ---
 # Placed after ``__all__`` is first defined so that ``__all__ +=`` below works.
-from jmp_rewrite._src.loss_scale import (  # noqa: E402
-    DynamicLossScale,
-    FixedLossScale,
-)
-from jmp_rewrite._src.loss_scale_optimizer import (  # noqa: E402
+from jmp_rewrite._src.loss_scale.optimizer import (  # noqa: E402
     LossScaleDebugState,
     LossScaleOptimizerState,
     MixedPrecisionLossScaleOptimizer,
@@ -81,6 +77,10 @@ from jmp_rewrite._src.loss_scale_optimizer import (  # noqa: E402
     non_finite_leaves,
     scale_loss,
     value_and_grad,
+)
+from jmp_rewrite._src.loss_scale.scale import (  # noqa: E402
+    DynamicLossScale,
+    FixedLossScale,
 )
 
 __all__ += (
@@ -103,9 +103,9 @@ __all__ += (
 # --- loss scaling (end) ---
 
 # --- compare (begin) ---
-from jmp_rewrite._src.compare import compare  # noqa: E402
-from jmp_rewrite._src.comparison import Comparison  # noqa: E402
-from jmp_rewrite._src.suggest import Suggestion  # noqa: E402
+from jmp_rewrite._src.compare.comparison import Comparison  # noqa: E402
+from jmp_rewrite._src.compare.run import compare  # noqa: E402
+from jmp_rewrite._src.compare.suggest import Suggestion  # noqa: E402
 
 __all__ += ("Comparison", "Suggestion", "compare")
 # --- compare (end) ---

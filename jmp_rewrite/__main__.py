@@ -1,6 +1,6 @@
 """``python -m jmp_rewrite {demo,explain} ...``: see ``python -m jmp_rewrite --help``."""
 
-from jmp_rewrite._src.cli import main
+from jmp_rewrite._src.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -40,7 +40,7 @@ import numpy as np
 MATMULS = ("dot_general", "conv_general_dilated")
 
 #: Higher-order primitives whose bodies run as part of the program, and the params that hold
-#: them (written here independently of ``jmp_rewrite._src.higher_order``). Equations holding
+#: them (written here independently of ``jmp_rewrite._src.trace.higher_order``). Equations holding
 #: other jaxprs (``custom_linear_solve``, a ``pallas_call``) are opaque to explain.
 _BODIES = {
     "jit": ("jaxpr",),

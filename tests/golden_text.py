@@ -44,10 +44,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmp_rewrite._src import explain as explain_lib
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
-from jmp_rewrite._src.emit import Emitter
+from jmp_rewrite._src.emit.emitter import Emitter
+from jmp_rewrite._src.explain import build as explain_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent / "goldens"
 #: The JAX version whose text the base files hold (the floor of the supported range).

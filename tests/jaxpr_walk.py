@@ -113,7 +113,7 @@ def half_casts_handed_into_bodies(jaxpr: Any) -> list[str]:
     one inside (a plain call sums a cotangent over its readers, as the top level does; the
     library's own leaf wrappers take half operands by design). Empty where the rule holds."""
     from jmp_rewrite._src import _jax_compat as jc
-    from jmp_rewrite._src import higher_order as ho
+    from jmp_rewrite._src.trace import higher_order as ho
 
     found = []
     for scope in scopes(jaxpr):

@@ -14,7 +14,7 @@ import pytest
 from jaxpr_walk import prims, runs_in_half
 
 import jmp_rewrite as jr
-from jmp_rewrite._src import arguments
+from jmp_rewrite._src.trace import arguments
 
 F32 = np.dtype(jnp.float32)
 W = 0.3 * jax.random.normal(jax.random.key(1), (6, 6), jnp.float32)

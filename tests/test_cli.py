@@ -16,7 +16,7 @@ import pytest
 
 import jmp_rewrite
 from jmp_rewrite import demo
-from jmp_rewrite._src import cli
+from jmp_rewrite._src.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -185,7 +185,7 @@ import sys
 sys.modules["flax"] = None  # as if flax were not installed: importing it raises ImportError
 import jmp_rewrite
 import jmp_rewrite.demo as demo
-from jmp_rewrite._src import cli
+from jmp_rewrite._src.cli import main as cli
 assert demo.DemoConfig().model == "cnn" and len(demo.make_dataset(4)[0]) == 4
 try:
     demo.run_demo

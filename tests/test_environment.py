@@ -1,4 +1,4 @@
-"""TF's environment variables and our JMP_REWRITE_* aliases (jmp_rewrite._src.environment)."""
+"""TF's environment variables and our JMP_REWRITE_* aliases (jmp_rewrite._src.lists.environment)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import jmp_rewrite as jr
-from jmp_rewrite._src import environment
-from jmp_rewrite._src.environment import (
+from jmp_rewrite._src.lists import environment
+from jmp_rewrite._src.lists.environment import (
     env_var_name,
     env_var_names,
     level_from_environment,

@@ -180,7 +180,7 @@ def test_bad_dtype():
 
 
 def test_html_explains_lists_colours_and_each_reason_in_words():
-    from jmp_rewrite._src.explain_html import LIST_MEANINGS
+    from jmp_rewrite._src.explain.html import LIST_MEANINGS
 
     page = jr.explain(loss, [W1, W2], X, dtype=jnp.float16).to_html()
     assert "Legend: lists and colours" in page

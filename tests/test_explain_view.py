@@ -20,7 +20,9 @@ import pytest
 from flax import nnx
 
 import jmp_rewrite as jr
-from jmp_rewrite._src import cli, explain_view, source_info
+from jmp_rewrite._src.cli import main as cli
+from jmp_rewrite._src.explain import view as explain_view
+from jmp_rewrite._src.trace import source_info
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

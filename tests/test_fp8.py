@@ -621,7 +621,7 @@ def test_groups_split_matmul_flops_into_float8_bf16_float32(f8_report):
 
 
 def explain_view_total(report):
-    from jmp_rewrite._src import explain_view
+    from jmp_rewrite._src.explain import view as explain_view
 
     total = explain_view.GroupStats()
     for g in report.groups("scope"):
@@ -639,7 +639,7 @@ def test_summary_counts_the_bytes_float8_adds(f8_report):
 
 
 def test_html_shows_float8_in_its_own_colour(f8_report):
-    from jmp_rewrite._src import explain_html
+    from jmp_rewrite._src.explain import html as explain_html
 
     page = f8_report.to_html()
     colour = explain_html.FLOAT8_COLOUR

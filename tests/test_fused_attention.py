@@ -19,7 +19,7 @@ from attention_models import MODELS, gpt
 
 import jmp_rewrite
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import attention_emit
+from jmp_rewrite._src.emit import attention as attention_emit
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

@@ -20,7 +20,7 @@ import golden_corpus
 import golden_text
 import pytest
 
-from jmp_rewrite._src import environment
+from jmp_rewrite._src.lists import environment
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

@@ -26,7 +26,7 @@ from program_gen import _pallas_matmul as tutorial_matmul
 from program_gen import attention_reference, pallas_attention
 
 import jmp_rewrite
-from jmp_rewrite._src.explain_html import reason
+from jmp_rewrite._src.explain.html import reason
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

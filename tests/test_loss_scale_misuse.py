@@ -21,7 +21,7 @@ import optax.contrib
 import pytest
 
 import jmp_rewrite as jr
-from jmp_rewrite._src import loss_scale_state
+from jmp_rewrite._src.loss_scale import state as loss_scale_state
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

@@ -16,8 +16,8 @@ from flax import nnx
 
 import jmp_rewrite as jr
 from jmp_rewrite._src import _jax_compat as compat
-from jmp_rewrite._src.finite import count_non_finite
-from jmp_rewrite._src.regions import FLOAT32_REGION_SCOPE
+from jmp_rewrite._src.loss_scale.finite import count_non_finite
+from jmp_rewrite._src.trace.regions import FLOAT32_REGION_SCOPE
 
 INT32_MAX = 2**31 - 1
 
@@ -900,7 +900,7 @@ def test_no_tracer_leaks(leak_checking):
     assert_trees_close(params, {"w": jnp.array([0.9, -1.9]), "b": jnp.array(0.4)}, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["finite", "loss_scale_state"])
+@pytest.mark.parametrize("name", ["loss_scale.finite", "loss_scale.state"])
 def test_docstring_examples_of_the_helper_modules_run(name):
     """test_public_api runs loss_scale_optimizer's; these are the pieces it imports."""
     module = importlib.import_module(f"jmp_rewrite._src.{name}")

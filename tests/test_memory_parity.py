@@ -25,7 +25,7 @@ import pytest
 from jax import lax
 
 import jmp_rewrite as jr
-from jmp_rewrite._src.finite import (
+from jmp_rewrite._src.loss_scale.finite import (
     LEAVES_PER_REDUCTION,
     any_non_finite,
     any_non_finite_fused,

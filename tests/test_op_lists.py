@@ -1,4 +1,5 @@
-"""Tests for jmp_rewrite._src.op_lists: TF's AMP lists as data keyed by JAX primitive names."""
+"""Tests for jmp_rewrite._src.lists.op_lists: TF's AMP lists as data keyed by JAX primitive
+names."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import numpy as np
 import pytest
 
 import jmp_rewrite
-from jmp_rewrite._src import environment, op_lists
-from jmp_rewrite._src.environment import env_var_name, lists_from_environment
-from jmp_rewrite._src.op_lists import (
+from jmp_rewrite._src.lists import environment, op_lists
+from jmp_rewrite._src.lists.environment import env_var_name, lists_from_environment
+from jmp_rewrite._src.lists.op_lists import (
     DIFFERENCES_FROM_TF,
     FLOAT32_ONLY,
     KINDS,
@@ -676,7 +677,7 @@ def test_every_public_primitive_is_classified():
     assert not missing, "\n".join(
         f"primitive {name!r} ({found[name]}) is not classified: put it on a default list "
         "(_def_allow/_def_infer/_def_deny/_def_clear/_def_lists, with a reason) or in "
-        "FLOAT32_ONLY / STRUCTURAL / NON_FLOAT in jmp_rewrite/_src/op_lists.py"
+        "FLOAT32_ONLY / STRUCTURAL / NON_FLOAT in jmp_rewrite/_src/lists/op_lists.py"
         for name in missing
     )
 

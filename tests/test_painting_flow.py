@@ -1,7 +1,7 @@
 """The flow is one-way: painting reads the graph and writes the Painting, never the graph.
 
 Every per-node decision (colour, kind override, kept float32, float8 choice) lives in the
-:class:`~jmp_rewrite._src.painting.Painting`; so painting a graph twice gives equal paintings,
+:class:`~jmp_rewrite._src.paint.painting.Painting`; so painting a graph twice gives equal paintings,
 and ``deny_releases``' what-if repaints leave the graph as the first painting saw it.
 """
 
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import jmp_rewrite as jr
-from jmp_rewrite._src.graph import Graph
-from jmp_rewrite._src.paint import deny_releases, paint
-from jmp_rewrite._src.painting import DENY, UNLISTED
+from jmp_rewrite._src.paint.painting import DENY, UNLISTED
+from jmp_rewrite._src.paint.passes import deny_releases, paint
+from jmp_rewrite._src.trace.graph import Graph
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 

@@ -16,7 +16,7 @@ from jaxpr_walk import all_eqns, casts, emitted, prims, runs_in_half, scopes
 from multidevice import run_on_eight_devices
 
 import jmp_rewrite as jr
-from jmp_rewrite._src.higher_order import describe
+from jmp_rewrite._src.trace.higher_order import describe
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 KEY = jax.random.key(0)

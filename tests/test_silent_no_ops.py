@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jmp_rewrite as jr
-from jmp_rewrite._src import loss_scale_state
+from jmp_rewrite._src.loss_scale import state as loss_scale_state
 
 W = 0.1 * jnp.ones((8, 8))
 X = jnp.ones((4, 8))

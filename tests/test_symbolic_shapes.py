@@ -2,7 +2,7 @@
 
 Serving exports a rewritten model once with a symbolic batch (``symbolic_shape("b, 16")``) and
 calls it at any batch. Every decision the painter, the emitter and ``explain`` take from
-shapes goes through ``jmp_rewrite._src.shapes``, which decides from the structure when a
+shapes goes through ``jmp_rewrite._src.trace.shapes``, which decides from the structure when a
 comparison of symbolic dimensions is inconclusive, never by raising. Checked here:
 
 * the helpers themselves, on the inconclusive cases;
@@ -38,7 +38,7 @@ from jax import lax
 from jaxpr_walk import HALF, all_eqns
 
 import jmp_rewrite
-from jmp_rewrite._src import shapes
+from jmp_rewrite._src.trace import shapes
 
 pytestmark = pytest.mark.usefixtures("leak_check_only_where_asked")
 

@@ -8,7 +8,7 @@ Every case comes from ``/work/shared/reference/tf_amp_algorithm.md`` (the refere
 * §4.3 the Python v1-loop tests ``test_propagation_through_simple_loop_1..8``, built with
   ``jax.lax.while_loop`` and ``jax.lax.fori_loop`` (static bounds: a ``scan``). A loop carry
   is one *clear* node (``<carry>``): TF's Enter/Merge/Switch/NextIteration/Exit collapsed, so
-  TF's recurrent colour match holds by construction (see ``jmp_rewrite/_src/graph.py``);
+  TF's recurrent colour match holds by construction (see ``jmp_rewrite/_src/trace/graph.py``);
 * §4.4 the extra probes A1-X, in three columns: float16 TF 2.21 (``infer_follows_allow=True``,
   the default), float16 TF 2.19 (``infer_follows_allow=False``) and bfloat16;
 * §1.8 the level/environment table for ``Exp->MatMul->Relu->Tanh->Rsqrt->MatMul->Sum``.

@@ -31,7 +31,7 @@ import golden_corpus  # noqa: E402
 import golden_text  # noqa: E402
 from test_goldens import family_blocks  # noqa: E402
 
-from jmp_rewrite._src import environment  # noqa: E402
+from jmp_rewrite._src.lists import environment  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,10 +85,10 @@ def _m(name, file, original, replacement, tests, bug, survives=""):
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    # ---- paint.py: TF's passes -----------------------------------------------------------------
+    # ---- paint/passes.py: TF's passes ------------------------------------------------------------
     _m(
         "paint.cast_any_reader_half",
-        "paint.py",
+        "paint/passes.py",
         "            if all(c in p.allow for c in n.fanout):",
         "            if any(c in p.allow for c in n.fanout):",
         T_DTYPES + "test_a_cast_read_by_a_half_matmul_and_a_float32_op_stays_float32",
@@ -96,7 +96,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.cast_feeding_output_retargeted",
-        "paint.py",
+        "paint/passes.py",
         "        if n.is_cast and p.processes(n) and n.fanout and not n.feeds_output:",
         "        if n.is_cast and p.processes(n) and n.fanout:",
         T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
@@ -104,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.cast_rule_disabled",
-        "paint.py",
+        "paint/passes.py",
         "        if n.is_cast and p.processes(n) and n.fanout and not n.feeds_output:",
         "        if False:",
         T_DTYPES + "test_a_cast_read_only_by_half_ops_casts_straight_to_half",
@@ -112,7 +112,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.force_all_forces_casts",
-        "paint.py",
+        "paint/passes.py",
         "forced = force_all and n.float32 and not n.is_cast",
         "forced = force_all and n.float32",
         T_DTYPES + "test_a_cast_whose_value_is_an_output_stays_float32",
@@ -120,7 +120,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.allow_ignores_process",
-        "paint.py",
+        "paint/passes.py",
         "        if p.processes(n) and (p.kind_of(n) == ALLOW or forced):",
         "        if (p.kind_of(n) == ALLOW or forced):",
         (
@@ -131,7 +131,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.deny_spreads_through_everything",
-        "paint.py",
+        "paint/passes.py",
         "            lambda v, r: v.id == r or (v.id not in reached and v.id in upstream),",
         "            lambda v, r: v.id == r or v.id not in reached,",
         T_TF,
@@ -139,7 +139,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.between_allow_clear_only",
-        "paint.py",
+        "paint/passes.py",
         "            lambda v, r: v.id == r or (p.kind_of(v) in (CLEAR, INFER) and _eligible(v, p)),",
         "            lambda v, r: v.id == r or (p.kind_of(v) == CLEAR and _eligible(v, p)),",
         T_TF,
@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.infer_follows_allow_despite_deny",
-        "paint.py",
+        "paint/passes.py",
         "        if any(s in p.deny for s in n.fanin):",
         "        if False:",
         T_TF,
@@ -158,7 +158,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.clear_propagation_downstream_only",
-        "paint.py",
+        "paint/passes.py",
         "    for v in _dfs(roots, lambda n: [*n.fanin, *n.fanout], g.nodes, enter):",
         "    for v in _dfs(roots, lambda n: n.fanout, g.nodes, enter):",
         T_TF,
@@ -166,7 +166,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.pass6_disabled",
-        "paint.py",
+        "paint/passes.py",
         "        if n.id in p.allow and p.kind_of(n) == ALLOW and not n.float32:",
         "        if False:",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -174,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.unit_deny_pieces_half",
-        "paint_additions.py",
+        "paint/additions.py",
         " and n.unit in p.allow and n.listed_kind != DENY:",
         " and n.unit in p.allow:",
         T_REWRITE + "test_named_unit_log_softmax_runs_whole_in_half_between_matmuls",
@@ -182,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.output_copies_not_kept",
-        "paint_additions.py",
+        "paint/additions.py",
         "    roots = [s for s, o, _ in g.outputs if s is not None and o.copy_of is not None]",
         "    roots = []",
         T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
@@ -195,7 +195,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.state_updates_not_kept",
-        "paint_additions.py",
+        "paint/additions.py",
         "            if inp is None or not is_f32(inp.dtype) or not updates_state(inp.shape, aval.shape):",
         "            if True:",
         (
@@ -206,7 +206,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.centring_not_a_statistic",
-        "paint_additions.py",
+        "paint/additions.py",
         '    {"square", "integer_pow", "mul", "sub", "div", "convert_element_type",',
         '    {"square", "integer_pow", "mul", "div", "convert_element_type",',
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
@@ -214,7 +214,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.statistics_pass_disabled",
-        "paint.py",
+        "paint/passes.py",
         "    keep_normalization_statistics_float32(g, p)\n",
         "    pass\n",
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
@@ -222,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.statistics_climb_through_matmuls",
-        "paint_additions.py",
+        "paint/additions.py",
         "        return n.eqn is not None and n.unit is None and not n.region and n.listed_kind != ALLOW",
         "        return n.eqn is not None and n.unit is None and not n.region",
         T_DTYPES + "test_normalization_statistics_and_centring_stay_float32",
@@ -235,16 +235,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.opaque_bodies_ignored_when_nothing_painted",
-        "paint.py",
+        "paint/passes.py",
         "    if not p.allow and not g.opaque_allow:",
         "    if not p.allow:",
         T_DTYPES + "test_custom_linear_solve_bodies_are_rewritten",
         "a program whose only matmuls sit in a custom_linear_solve is not rewritten",
     ),
-    # ---- graph.py: the painting graph ------------------------------------------------------
+    # ---- trace/graph.py: the painting graph ------------------------------------------------------
     _m(
         "graph.is_float32_outputs_only",
-        "equations.py",
+        "trace/equations.py",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]",
         "    dtypes = [a.aval.dtype for a in _float_atoms(eqn.outvars)]",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -252,7 +252,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.is_float32_first_operand",
-        "equations.py",
+        "trace/equations.py",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars, *eqn.outvars])]",
         "    dtypes = [a.aval.dtype for a in _float_atoms([*eqn.invars[:1], *eqn.outvars])]",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -260,7 +260,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.is_float32_any",
-        "equations.py",
+        "trace/equations.py",
         "    return bool(dtypes) and all(is_f32(d) for d in dtypes)",
         "    return bool(dtypes) and any(is_f32(d) for d in dtypes)",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -268,7 +268,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.cube_is_square",
-        "op_lists.py",
+        "lists/op_lists.py",
         '{-1: "reciprocal", 2: "square"}',
         '{-1: "reciprocal", 2: "square", 3: "square"}',
         T_DTYPES + "test_cubes_stay_float32_in_float16",
@@ -276,7 +276,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.computed_values_clamped",
-        "origins.py",
+        "trace/origins.py",
         "    frozen = all(o.frozen for o in ins)  # integer and boolean values are (graph._scope)",
         "    frozen = any(o.frozen for o in ins)",
         T_DTYPES + "test_computed_values_overflow_honestly",
@@ -284,7 +284,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.input_output_wants_half",
-        "graph.py",
+        "trace/graph.py",
         "                rec.consumers[atom].append(None)",
         "                pass",
         T_INV + "test_item1_passthrough_of_inner_call_is_bit_exact",
@@ -292,7 +292,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.sub_not_a_state_update",
-        "origins.py",
+        "trace/origins.py",
         'COMBINES = ("add", "sub", "add_any")',
         'COMBINES = ("add", "add_any")',
         T_DTYPES + "test_a_running_average_between_two_matmuls_is_updated_in_float32",
@@ -300,16 +300,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "higher_order.namedtuple_bodies_hidden",
-        "higher_order.py",
+        "trace/higher_order.py",
         "        for v in value if isinstance(value, tuple) else (value,):",
         "        for v in value if type(value) is tuple else (value,):",
         T_DTYPES + "test_custom_linear_solve_bodies_are_rewritten",
         "custom_linear_solve's bodies (a named tuple) are never rewritten",
     ),
-    # ---- emit.py: re-emission ----------------------------------------------------------------
+    # ---- emit/emitter.py: re-emission ------------------------------------------------------------
     _m(
         "emit.captured_constants_not_clamped",
-        "emit.py",
+        "emit/emitter.py",
         "convert_element_type(self._in_range(val, dtype, const, big), dtype)",
         "convert_element_type(self._in_range(val, dtype, False, big), dtype)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
@@ -317,7 +317,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.constant_casts_not_clamped",
-        "emit.py",
+        "emit/emitter.py",
         "clamped, big = _clamped(rec, 0), self._big(rec, 0)",
         "clamped, big = False, self._big(rec, 0)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
@@ -327,7 +327,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.literals_not_clamped",
-        "clamping.py",
+        "emit/clamping.py",
         "    return np.asarray(clamp(value, dtype) if clamped else value, dtype=dtype)",
         "    return np.asarray(value, dtype=dtype)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
@@ -335,7 +335,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.clamp_array_infinities",
-        "clamping.py",
+        "emit/clamping.py",
         "            big = jnp.isfinite(value) & ((value < lo) | (value > hi))",
         "            big = (value < lo) | (value > hi)",
         T_DTYPES + "test_infinite_constants_stay_infinite",
@@ -343,7 +343,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.clamp_literal_infinities",
-        "clamping.py",
+        "emit/clamping.py",
         "    return np.where(np.isfinite(value), np.clip(value, lo, hi), value).astype(value.dtype)",
         "    return np.clip(value, lo, hi).astype(value.dtype)",
         T_DTYPES + "test_infinite_constants_stay_infinite",
@@ -351,7 +351,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.half_sum_accumulates_in_half",
-        "emit.py",
+        "emit/emitter.py",
         '    "reduce_sum",\n    "cumsum",\n    "reduce_window_sum",',
         '    "cumsum",\n    "reduce_window_sum",',
         (
@@ -362,7 +362,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.half_scatter_add_accumulates_in_half",
-        "emit.py",
+        "emit/emitter.py",
         '    "scatter-add",\n    "scatter-sub",\n    "psum",',
         '    "scatter-sub",\n    "psum",',
         (T_INV + "test_item3_scatter_add_accumulates_in_float32",),
@@ -370,7 +370,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents",
-        "tangents.py",
+        "emit/tangents.py",
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")',
         "TRANSPOSE_ACCUMULATES = ()",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -378,7 +378,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents_for_implicit_broadcast",
-        "tangents.py",
+        "emit/tangents.py",
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim", "add", "sub", "mul", "div", "max", "min")',
         'TRANSPOSE_ACCUMULATES = ("gather", "broadcast_in_dim")',
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -386,7 +386,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.no_float32_tangents_for_gather",
-        "tangents.py",
+        "emit/tangents.py",
         "        return not const[0]\n    out = eqn.outvars[0].aval.shape",
         "        return False\n    out = eqn.outvars[0].aval.shape",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -394,7 +394,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.half_matmul_keeps_float32_output",
-        "emit.py",
+        "emit/emitter.py",
         "                if key in params and params[key] is not None and is_f32(params[key]):",
         "                if False:",
         T_DTYPES + "test_matmuls_with_half_operands_keep_their_dtypes_and_float32_output",
@@ -402,7 +402,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.call_operand_cast_for_one_reader",
-        "emit.py",
+        "emit/emitter.py",
         "        return wanted.pop() if len(wanted) == 1 else None",
         "        return min(wanted, key=str)",
         T_DTYPES + "test_a_call_operand_read_by_half_and_float32_ops_reaches_both_exactly",
@@ -410,7 +410,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.half_sum_reads_half",
-        "emit.py",
+        "emit/emitter.py",
         "            return bind(eqn, [read(a, a.aval.dtype) for a in eqn.invars], eqn.params)",
         "            return bind(eqn, [read(a, self.half) for a in eqn.invars], eqn.params)",
         T_DTYPES + "test_gather_and_broadcast_gradients_accumulate_in_float32",
@@ -418,7 +418,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.outputs_not_cast_back",
-        "emit.py",
+        "emit/emitter.py",
         "            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)",
         "            for a, d in zip(jaxpr.outvars, [None] * len(out_dtypes), strict=True)",
         T_REWRITE + "test_matches_float32_and_keeps_signature",
@@ -426,7 +426,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.opaque_bodies_not_rewritten",
-        "emit.py",
+        "emit/emitter.py",
         "        params = {k: ho.map_held(v, self._rewrite_same_signature) for k, v in eqn.params.items()}",
         "        params = dict(eqn.params)",
         T_DTYPES + "test_custom_linear_solve_bodies_are_rewritten",
@@ -434,16 +434,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "custom_rules.custom_jvp_rule_dropped",
-        "custom_rules.py",
+        "emit/custom_rules.py",
         "        fun = jax.custom_jvp(body)\n",
         "        return list(body(*invals))\n",
         T_REWRITE + "test_custom_jvp_rule_is_kept",
         "a custom_jvp function is differentiated through its body, not its rule",
     ),
-    # ---- op_lists.py: TF's lists [17.6] ------------------------------------------------------
+    # ---- lists/op_lists.py: TF's lists [17.6] ----------------------------------------------------
     _m(
         "op_lists.scatter_max_deny",
-        "op_lists.py",
+        "lists/op_lists.py",
         "_def_clear(\n    \"no TF op (TF's scatters are unlisted): scatter-max/min select values",
         "_def_deny(\n    \"no TF op (TF's scatters are unlisted): scatter-max/min select values",
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -451,7 +451,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.psum_scatter_clear_in_float16",
-        "op_lists.py",
+        "lists/op_lists.py",
         '    "psum_invariant",\n    "reduce_scatter",\n)',
         '    "psum_invariant",\n)\n_def_lists("clear", "infer", "like Sum", "reduce_scatter")',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -459,7 +459,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.rsqrt_infer_in_float16",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_lists(UNLISTED, "infer", "TF Rsqrt',
         '_def_lists("infer", "infer", "TF Rsqrt',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -467,7 +467,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.tanh_clear",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_infer("TF Tanh", "tanh")',
         '_def_clear("TF Tanh", "tanh")',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -475,7 +475,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.exp_infer",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_deny("TF Exp", "exp")',
         '_def_infer("TF Exp", "exp")',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -483,7 +483,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.sum_deny_in_bfloat16",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_lists("deny", "infer", "TF Sum/Mean',
         '_def_lists("deny", "deny", "TF Sum/Mean',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -491,7 +491,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.log_softmax_deny",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_infer("TF LogSoftmax (infer, not deny)"',
         '_def_deny("TF LogSoftmax (infer, not deny)"',
         T_OPS + "test_default_lists_follow_tf_or_declare_the_difference",
@@ -499,7 +499,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.treat_infer_as_deny_ignored",
-        "op_lists.py",
+        "lists/op_lists.py",
         "        return OpLists(allow=lists.allow, deny=lists.deny | lists.infer, clear=lists.clear)",
         "        return lists",
         T_OPS + "test_level_treat_infer_as_deny",
@@ -507,7 +507,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.tensor_cores_only_ignored",
-        "op_lists.py",
+        "lists/op_lists.py",
         "        return OpLists(allow=lists.allow)\n",
         "        return lists\n",
         T_OPS + "test_level_tensor_cores_only",
@@ -515,16 +515,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "environment.env_remove_ignored",
-        "environment.py",
+        "lists/environment.py",
         "        sets[kind] -= to_remove",
         "        pass",
         T_OPS + "test_env_add_and_remove_each_list",
         "JMP_REWRITE_*LIST_REMOVE is ignored",
     ),
-    # ---- loss_scale.py: TF1's dynamic loss scale ---------------------------------------------
+    # ---- loss_scale/scale.py: TF1's dynamic loss scale -------------------------------------------
     _m(
         "loss_scale.max_exclusive",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "(grown <= jnp.float32(self.max_loss_scale))",
         "(grown < jnp.float32(self.max_loss_scale))",
         T_LS,
@@ -532,7 +532,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.no_floor",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        scale_if_not = jnp.maximum(loss_scale / multiplier, jnp.float32(self.min_loss_scale))",
         "        scale_if_not = loss_scale / multiplier",
         T_LS,
@@ -540,7 +540,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.period_off_by_one",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        grow = next_good >= self.increment_period",
         "        grow = next_good > self.increment_period",
         T_LS,
@@ -548,7 +548,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.counter_kept_when_growth_refused",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        good_if_finite = jnp.where(grow, jnp.zeros_like(next_good), next_good)",
         "        good_if_finite = jnp.where(grow & can_grow, jnp.zeros_like(next_good), next_good)",
         T_LS,
@@ -556,7 +556,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.counter_kept_on_overflow",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        new_good = jnp.where(finite, good_if_finite, jnp.zeros_like(good_steps))",
         "        new_good = jnp.where(finite, good_if_finite, good_steps)",
         T_LS,
@@ -564,7 +564,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.grows_to_infinity",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        can_grow = jnp.isfinite(grown)",
         "        can_grow = jnp.isfinite(loss_scale)",
         T_LS,
@@ -572,7 +572,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.max_below_min_accepted",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "            if maximum < minimum:",
         "            if maximum < 0:",
         T_LS,
@@ -580,16 +580,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale.fixed_never_skips",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "        apply = finite if self.skip_non_finite else jnp.ones_like(finite)",
         "        apply = jnp.ones_like(finite)",
         T_LS,
         "FixedLossScale(skip_non_finite=True) applies non-finite steps",
     ),
-    # ---- loss_scale_optimizer.py ----------------------------------------------------------------
+    # ---- loss_scale/optimizer.py -----------------------------------------------------------------
     _m(
         "optimizer.select_keeps_new_state_on_skip",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "lambda n, o: jnp.where(apply, n, o)",
         "lambda n, o: n",
         T_LSO + "test_adam_count_and_moments_do_not_advance_on_skipped_steps",
@@ -597,7 +597,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.cond_always_applies",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "        return jax.lax.cond(apply, applied, skipped, grads, inner_state, params32)",
         "        return jax.lax.cond(apply, applied, applied, grads, inner_state, params32)",
         (
@@ -608,7 +608,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.eager_always_applies",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "    return (applied if static_apply else skipped)(grads, inner_state, params32)",
         "    return applied(grads, inner_state, params32)",
         T_LSO + "test_step_sequence_sgd_momentum",
@@ -616,7 +616,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.skip_counter_frozen",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "        skipped_steps=jnp.where(apply, skipped, optax.safe_increment(skipped)),",
         "        skipped_steps=skipped,",
         T_LSO + "test_step_sequence_sgd_momentum",
@@ -624,7 +624,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.not_unscaled",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "    inv_scale = jnp.float32(1.0) / loss_scale",
         "    inv_scale = jnp.float32(1.0)",
         T_LSO + "test_unscales_with_the_scale_in_force_not_the_grown_one",
@@ -632,7 +632,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.half_params_to_inner",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "            return x.astype(jnp.float32)\n        return x\n\n    return jax.tree.map(cast, tree)",
         "            return x\n        return x\n\n    return jax.tree.map(cast, tree)",
         T_LSO + "test_dtypes_of_updates_and_state",
@@ -640,7 +640,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.last_step_always_applied",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "        last_step_applied=apply,",
         "        last_step_applied=jnp.array(True),",
         T_LSO + "test_step_sequence_sgd_momentum",
@@ -649,7 +649,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- value_and_grad with Flax NNX objects ----------------------------------------------
     _m(
         "loss_scale_state.nnx_objects_differentiated_as_pytrees",
-        "loss_scale_state.py",
+        "loss_scale/state.py",
         "        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):",
         "        if _any_diff_state(argnums):",
         "tests/test_nnx_state.py::test_batch_stats_move_as_with_nnx_value_and_grad",
@@ -667,7 +667,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- issue 14: state in loops ----------------------------------------------------------
     _m(
         "paint.loop_state_not_kept",
-        "paint_additions.py",
+        "paint/additions.py",
         "        if ls.recurrent and g.nodes[ls.carry].float32\n",
         "        if False\n",
         (
@@ -678,7 +678,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.outer_product_is_a_matmul",
-        "op_lists.py",
+        "lists/op_lists.py",
         '    return "dot_general" if len(lhs_contract) else "outer_product"',
         '    return "dot_general"',
         T_LOOPS + "test_item3_rope_angles_are_not_rounded",
@@ -686,7 +686,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.log_softmax_residual_not_deny",
-        "graph.py",
+        "trace/graph.py",
         "            if out[i] is None or piece is None:",
         "            if True:",
         T_LOOPS + "test_item4_log_softmax_gradient_is_float32",
@@ -694,7 +694,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.skip_adds_plus_zero",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "        return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros",
         "        return zeros",
         T_LIBS + "test_skipped_step_leaves_parameters_and_optimizer_state_bit_identical",
@@ -702,7 +702,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.moves_carry_no_state",
-        "origins.py",
+        "trace/origins.py",
         "    if (name in _MOVES or name in _SELECTIONS or name in SCATTER_COMBINES) and eqn.outvars:",
         "    if (name in _SELECTIONS or name in SCATTER_COMBINES) and eqn.outvars:",
         T_LOOPS + "test_item1_state_updated_through_data_movement",
@@ -710,7 +710,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.no_cycles_through_other_carries",
-        "origins.py",
+        "trace/origins.py",
         "            if s in reach[t]:",
         "            if s == t:",
         T_LOOPS + "test_item1_state_updated_through_another_carry",
@@ -718,7 +718,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.placement_is_a_recurrence",
-        "origins.py",
+        "trace/origins.py",
         "        return bool(self.cycle) and self.root is not None and self.root != self.carry",
         "        return self.root is not None and self.root != self.carry and self.state in "
         "self.origin.derived",
@@ -727,7 +727,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "finite.empty_leaf_reshaped",
-        "finite.py",
+        "loss_scale/finite.py",
         "        if not is_inexact(g) or g.size == 0:  # an empty leaf holds nothing to check",
         "        if not is_inexact(g):",
         T_LSO + "test_an_empty_leaf_is_checked_as_holding_nothing",
@@ -735,7 +735,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.algorithm_presets_painted",
-        "paint_additions.py",
+        "paint/additions.py",
         "        return precision != lax.DotAlgorithmPreset.DEFAULT",
         "        return False",
         T_DTYPES + "test_a_matmul_that_names_its_precision_or_algorithm_runs_as_written",
@@ -743,7 +743,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.scanned_state_is_no_state",
-        "graph.py",
+        "trace/graph.py",
         '        x_in = [dataclasses.replace(o, const=False) for o in orig["xs"]]',
         '        x_in = [Origin(copy_of=o.copy_of) for o in orig["xs"]]',
         T_LOOPS + "test_state_scanned_in_and_stacked_out_is_updated_in_float32",
@@ -752,7 +752,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch lso: nested loss-scale optimizers, state mismatches, issue 22 pins -----------
     _m(
         "optimizer.nested_accepted_by_init",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "    refuse_nested(inner_state)",
         "    pass",
         "tests/test_loss_scale_misuse.py::test_a_loss_scale_optimizer_nested_anywhere_inside_another_is_refused_by_init",
@@ -760,7 +760,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "checks.nested_state_accepted_by_update",
-        "loss_scale_checks.py",
+        "loss_scale/checks.py",
         "    refuse_nested(state.inner_state)",
         "    pass",
         "tests/test_loss_scale_misuse.py::test_update_refuses_a_hand_made_state_with_a_nested_loss_scale_state",
@@ -768,7 +768,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "checks.debug_state_unchecked",
-        "loss_scale_checks.py",
+        "loss_scale/checks.py",
         "    if debug and not isinstance(held, LossScaleDebugState):",
         "    if False:",
         "tests/test_loss_scale_misuse.py::test_debug_state_given_to_a_non_debug_optimizer_and_back_names_both",
@@ -776,7 +776,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "checks.debug_leaf_count_unchecked",
-        "loss_scale_checks.py",
+        "loss_scale/checks.py",
         "        if n_grads != n_state:",
         "        if False:",
         "tests/test_loss_scale_misuse.py::test_debug_with_gradients_of_another_leaf_count_is_refused",
@@ -784,7 +784,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "checks.inner_state_compared_by_leaf_count",
-        "loss_scale_checks.py",
+        "loss_scale/checks.py",
         "        if expected == actual:",
         "        if expected.num_leaves == actual.num_leaves:",
         (
@@ -795,7 +795,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.fixed_below_one_checks_scaled",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "        return rule.loss_scale_value >= 1.0",
         "        return True",
         "tests/test_loss_scale_misuse.py::test_fixed_scale_below_one_skips_a_gradient_that_overflows_only_unscaled",
@@ -803,7 +803,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "arguments.negative_argnums_unresolved",
-        "arguments.py",
+        "trace/arguments.py",
         "        nums.update(i + n_args for i in self.negative_argnums if i + n_args >= 0)",
         "        nums.update(i for i in self.negative_argnums if i + n_args >= 0)",
         "tests/test_arguments.py::test_negative_static_argnums_on_varargs_make_the_right_argument_static",
@@ -811,7 +811,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "checks.init_structures_kept_strongly",
-        "loss_scale_checks.py",
+        "loss_scale/checks.py",
         "_INIT_STRUCTURES: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()",
         "_INIT_STRUCTURES: dict[Any, dict[Any, Any]] = {}",
         "tests/test_loss_scale_misuse.py::test_an_optimizer_built_inside_jit_leaks_no_tracer_through_the_state_checks",
@@ -820,7 +820,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch lso: planted without reading the tests (issue 22 item 4), missed before ----
     _m(
         "optimizer.dynamic_below_one_checks_scaled",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "            return rule.min_loss_scale >= 1.0",
         "            return rule.initial_loss_scale >= 1.0",
         "tests/test_loss_scale_misuse.py::test_dynamic_scale_backed_off_below_one_skips_a_gradient_that_overflows_only_unscaled",
@@ -828,7 +828,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "optimizer.select_skip_adds_plus_zero",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "            lambda u, none: jnp.where(apply, u, none), new_updates, _no_update_like(new_updates)",
         "            lambda u, none: jnp.where(apply, u, jnp.zeros_like(u)), new_updates, _no_update_like(new_updates)",
         "tests/test_loss_scale_misuse.py::test_a_skipped_step_keeps_a_negative_zero_parameter_with_select_or_cond",
@@ -836,7 +836,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "loss_scale_state.fixed_scale_of_one_warns",
-        "loss_scale_state.py",
+        "loss_scale/state.py",
         '    if getattr(rule, "loss_scale_value", None) == 1.0:',
         "    if False:",
         "tests/test_loss_scale_misuse.py::test_a_fixed_scale_of_one_does_not_warn_about_unscaled_gradients",
@@ -927,7 +927,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch masks: issue 21 items 1, 2 and 8 ------------------------------------------------
     _m(
         "graph.only_constants_clamped",
-        "graph.py",
+        "trace/graph.py",
         "            erec.clamped_operands = tuple(forward and o.frozen for o in in_origins)",
         "            erec.clamped_operands = tuple(forward and o.const for o in in_origins)",
         T_DTYPES + "test_mask_constants_are_clamped_to_the_half_range",
@@ -935,7 +935,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.integers_not_frozen",
-        "graph.py",
+        "trace/graph.py",
         "    if jnp.issubdtype(var.aval.dtype, jnp.inexact) or o.frozen:",
         "    if True:",
         T_R4 + "test_padded_rows_are_uniform_as_in_float32",
@@ -943,7 +943,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.cond_frozen_in_one_branch",
-        "origins.py",
+        "trace/origins.py",
         "        frozen=all(o.frozen for o in origins),  # a constant in one branch only is none",
         "        frozen=any(o.frozen for o in origins),",
         T_R4 + "test_a_cond_output_constant_in_one_branch_only_still_overflows",
@@ -951,7 +951,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.unrun_carries_painted",
-        "paint_additions.py",
+        "paint/additions.py",
         '    _keep_float32(g, p, g.unrun_carries, "keep_unrun_loop_carries_float32")',
         '    _keep_float32(g, p, [], "keep_unrun_loop_carries_float32")',
         T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
@@ -959,7 +959,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.while_false_at_once_unknown",
-        "equations.py",
+        "trace/equations.py",
         "        return not np.asarray(keep_going).any()",
         "        return False",
         T_R4 + "test_a_loop_that_runs_zero_times_hands_its_init_on_exactly",
@@ -967,7 +967,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.cond_output_half_if_any_branch_half",
-        "paint_additions.py",
+        "paint/additions.py",
         "                c in g.outside_handoffs or not all(f in half for f in n.fanin)",
         "                c in g.outside_handoffs or not any(f in half for f in n.fanin)",
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
@@ -976,7 +976,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch symbolic (issue 24): shape decisions safe with symbolic dimensions ----------
     _m(
         "emit.broadcast_size_compared_raw",
-        "tangents.py",
+        "emit/tangents.py",
         "and not const[i] and shapes.size_less(a.aval.shape, out)",
         "and not const[i] and a.aval.size < eqn.outvars[0].aval.size",
         T_SYM + "test_symbolic_shapes_paint_as_concrete_ones",
@@ -984,7 +984,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "shapes.size_one_not_a_broadcast",
-        "shapes.py",
+        "trace/shapes.py",
         "        if _is_one(x) or _less(x, y):",
         "        if _less(x, y):",
         T_SYM + "test_symbolic_shapes_paint_as_concrete_ones",
@@ -993,7 +993,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "higher_order.scan_length_int",
-        "higher_order.py",
+        "trace/higher_order.py",
         'length=lambda p: shapes.dim(p["length"]),',
         'length=lambda p: int(p["length"]),',
         T_SYM + "test_explain_symbolic_sequence_and_scan_length",
@@ -1001,7 +1001,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.flops_share_divided_raw",
-        "report.py",
+        "explain/report.py",
         "        return shapes.ratio(sum(e.flops for e in self.equations if e.half), "
         "self.matmul_flops)",
         "        return sum(e.flops for e in self.equations if e.half) / (self.matmul_flops or 1)",
@@ -1010,7 +1010,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.residual_bytes_int",
-        "explain.py",
+        "explain/build.py",
         "    return shapes.dim(sum(shapes.size(s.shape)",
         "    return int(sum(shapes.size(s.shape)",
         T_SYM + "test_explain_counts_symbolic_shapes_as_expressions",
@@ -1018,7 +1018,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain_view.tensor_core_symbolic_flagged",
-        "explain_view.py",
+        "explain/view.py",
         "shape_lib.multiple_of(d, TENSOR_CORE_MULTIPLE) is False",
         "d % TENSOR_CORE_MULTIPLE",
         T_SYM + "test_explain_symbolic_sequence_and_scan_length",
@@ -1027,7 +1027,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch generator (issue 22): behaviours no test pinned; the new tests catch them -----
     _m(
         "origins.cond_const_if_one_branch_is",
-        "origins.py",
+        "trace/origins.py",
         "        const=all(o.const for o in origins),",
         "        const=any(o.const for o in origins),",
         T_PINS + "test_a_cond_output_constant_in_one_branch_only_overflows_honestly",
@@ -1039,7 +1039,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.square_is_linear",
-        "origins.py",
+        "trace/origins.py",
         "            derived = per[0] ^ per[1]  # old * old is not linear in old",
         "            derived = per[0] | per[1]  # old * old is not linear in old",
         T_PINS + "test_a_carry_squared_into_its_update_is_no_linear_state",
@@ -1047,7 +1047,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.reach_one_link_only",
-        "origins.py",
+        "trace/origins.py",
         "                    todo.append(t)",
         "                    pass",
         T_PINS + "test_carries_updating_each_other_in_a_cycle_of_three_or_four_are_state",
@@ -1055,7 +1055,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.division_not_an_increment",
-        "paint_additions.py",
+        "paint/additions.py",
         '    {"add", "sub", "add_any", "neg", "mul", "div", "convert_element_type", "select_n"}',
         '    {"add", "sub", "add_any", "neg", "mul", "convert_element_type", "select_n"}',
         T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
@@ -1063,7 +1063,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.cond_result_no_update",
-        "origins.py",
+        "trace/origins.py",
         "        updates=frozenset().union(*(o.updates for o in origins)) & derived,",
         "        updates=frozenset(),",
         T_PINS + "test_an_sgd_step_inside_a_cond_read_by_a_matmul_stays_float32",
@@ -1071,7 +1071,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.same_shape_products_float32_tangents",
-        "tangents.py",
+        "emit/tangents.py",
         "shapes.size_less(a.aval.shape, out)\n",
         "not shapes.size_less(out, a.aval.shape)\n",
         T_PINS + "test_float32_tangents_only_for_a_half_product_that_broadcasts",
@@ -1079,7 +1079,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.scan_ys_stacked_float32",
-        "emit.py",
+        "emit/emitter.py",
         '        y_dtypes = em.carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[layout.size("carry") :]])',
         '        y_dtypes = [v.aval.dtype for v in eqn.outvars[layout.size("carry") :]]',
         T_PINS + "test_a_scans_stacked_outputs_painted_half_are_stored_half",
@@ -1089,7 +1089,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # code, on lines no mutant above touches; scored separately (README, Development) --------
     _m(
         "paint.scalar_array_scaling_is_a_product",
-        "paint_additions.py",
+        "paint/additions.py",
         '    return sum(1 for a in n.eqn.invars if not jc.is_literal(a) and getattr(a.aval, "shape", ()))',
         "    return sum(1 for a in n.eqn.invars if not jc.is_literal(a))",
         T_PINS + "test_an_increment_with_a_division_is_kept_float32_with_its_state",
@@ -1098,7 +1098,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.statistics_only_right_after_a_reduction",
-        "paint_additions.py",
+        "paint/additions.py",
         "            leads[u] = n.key in _REDUCTIONS or any(leads.get(f, False) for f in n.fanin)",
         "            leads[u] = n.key in _REDUCTIONS",
         T_INV + "test_item2_batch_statistics_are_float32",
@@ -1107,7 +1107,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.allow_through_ineligible_clear",
-        "paint.py",
+        "paint/passes.py",
         "        return v.id == r or (v.id not in p.allow and p.kind_of(v) == CLEAR and _eligible(v, p))",
         "        return v.id == r or (v.id not in p.allow and p.kind_of(v) == CLEAR)",
         (
@@ -1122,7 +1122,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.infer_of_an_input_is_a_copy",
-        "origins.py",
+        "trace/origins.py",
         '    copy_of = copies.pop() if listed == "clear" and len(copies) == 1 and floats else None',
         "    copy_of = copies.pop() if len(copies) == 1 and floats else None",
         (T_LOOPS + "test_item5_nonlinear_function_of_an_input_is_no_state_update", T_TF),
@@ -1130,7 +1130,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.linear_in_itself_is_recurrent",
-        "origins.py",
+        "trace/origins.py",
         "        for s in updates[t] & set(local):",
         "        for s in derived[t] & set(local):",
         T_LOOPS + "test_a_cache_written_by_placement_is_no_state_that_accumulates",
@@ -1138,7 +1138,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.remat_forward_is_backward",
-        "equations.py",
+        "trace/equations.py",
         '    return (outer or "transpose(" in stack) and "rematted_computation" not in stack',
         '    return outer or "transpose(" in stack',
         (
@@ -1150,7 +1150,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "op_lists.exp2_infer",
-        "op_lists.py",
+        "lists/op_lists.py",
         '_def_deny("no TF op: 2**x overflows like Exp", "exp2")',
         '_def_infer("no TF op: 2**x overflows like Exp", "exp2")',
         T_PINS + "test_exp2_after_a_half_matmul_stays_float32",
@@ -1183,7 +1183,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "fp8.groups_count_no_float8_flops",
-        "explain_view.py",
+        "explain/view.py",
         "        float8_flops=e.flops if e.float8 else 0,",
         "        float8_flops=0,",
         T_FP8 + "test_groups_split_matmul_flops_into_float8_bf16_float32",
@@ -1192,7 +1192,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch vjp-fp16 (issue 21 items 3, 6, 7) -------------------------------------------
     _m(
         "custom_rules.rule_differentiates_everything",
-        "custom_rules.py",
+        "emit/custom_rules.py",
         "            live = tuple(i for i, p in enumerate(primals) if p.perturbed)",
         "            live = tuple(range(len(primals)))",
         "tests/test_custom_derivatives.py::test_odeint_matmul_runs_in_half_and_rule_is_kept",
@@ -1200,7 +1200,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.softmax_denominator_not_deny",
-        "graph.py",
+        "trace/graph.py",
         'CARRY_DENY = ("reduce_sum",)',
         "CARRY_DENY = ()",
         "tests/test_tf_patterns.py::test_whole_graph_log_softmax_gradient_is_float32_throughout",
@@ -1208,7 +1208,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "compare.no_gradient_underflow_note",
-        "compare.py",
+        "compare/run.py",
         "    notes += _gradient_underflow_notes(graph, painting, half.stats, dt)",
         "    notes += []",
         "tests/test_gradient_underflow.py::test_compare_names_gradient_underflow_in_float16_only",
@@ -1216,7 +1216,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain_view.no_gradient_underflow_lint",
-        "explain_view.py",
+        "explain/view.py",
         "        _gradient_underflow(report)\n        + _half_carries(report)",
         "        _half_carries(report)",
         "tests/test_gradient_underflow.py::test_lint_names_a_float16_backward_pass_without_loss_scaling",
@@ -1225,7 +1225,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- masks-float (issue 21 item 1: a float mask argument's padding bias) --
     _m(
         "emit.saturate_zero_derivative",
-        "clamping.py",
+        "emit/clamping.py",
         "(saturate(primals[0], lo, hi), tangents[0]))",
         "(saturate(primals[0], lo, hi), 0.0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",
@@ -1234,7 +1234,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- masks (issue 28 item 2, issue 29 family 6): big values, honest overflow --
     _m(
         "origins.big_seed_ignores_literals",
-        "origins.py",
+        "trace/origins.py",
         "    return any(o.big or (v is not None and beyond(v, limit)) for o, v in floats)",
         "    return any(o.big for o, v in floats)",
         T_MASKS + "test_every_spelling",
@@ -1242,7 +1242,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.call_literal_fill_not_big",
-        "graph.py",
+        "trace/graph.py",
         "                return const_origin(jc.literal_value(atom), self.limit)",
         "                return const_origin(jc.literal_value(atom), None)",
         T_MASKS + "test_encoders_end_to_end",
@@ -1250,7 +1250,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "masking.opposite_flags_do_not_cancel",
-        "masking.py",
+        "emit/masking.py",
         "                    flag = jnp.where(flag == 0, f, jnp.where(f == -flag, 0, flag))",
         "                    flag = jnp.where(flag == 0, f, flag)",
         T_MASKS + "test_every_boundary",
@@ -1258,7 +1258,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "masking.product_flag_kept_in_range",
-        "masking.py",
+        "emit/masking.py",
         "                return jnp.where(any_flag, self.beyond(out), 0).astype(np.int8)",
         "                return jnp.where(any_flag, -1, 0).astype(np.int8)",
         T_MASKS + "test_a_computed_value_plus_a_mask_bias",
@@ -1266,7 +1266,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.boundary_result_not_pinned",
-        "emit.py",
+        "emit/emitter.py",
         "            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))",
         "            read(a, d)",
         T_MASKS + "test_every_boundary",
@@ -1274,7 +1274,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "masking.pin_zero_derivative",
-        "masking.py",
+        "emit/masking.py",
         "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), tangents[0]))",
         "pin.defjvp(lambda limit, primals, tangents: (pin(*primals, limit), 0 * tangents[0]))",
         T_R4 + "test_a_float_mask_argument_has_float32_gradients",
@@ -1282,7 +1282,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.saturated_operand_tangent_in_half",
-        "emit.py",
+        "emit/emitter.py",
         "elif saturated and reads_magnitude(eqn) or transpose_accumulates(eqn, const):",
         "elif transpose_accumulates(eqn, const):",
         (
@@ -1294,7 +1294,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- branch cond-state (issue 21 item 8): an input handed on by a branch is float32 ----
     _m(
         "graph.cond_outside_handoff_forgotten",
-        "graph.py",
+        "trace/graph.py",
         "                o for o, b in zip(outs, bouts, strict=True) if o is not None and b is None",
         "                o for o, b in zip(outs, bouts, strict=True) if False",
         T_R4 + "test_an_input_handed_on_by_an_untaken_branch_comes_back_exact",
@@ -1303,7 +1303,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- state2 (issue 22): state with leading axes added, told from a bias by its step size
     _m(
         "origins.stacked_state_no_state",
-        "origins.py",
+        "trace/origins.py",
         "    return len(state) > 0 and len(output) > len(state) and output[-len(state) :] == state",
         "    return False",
         (
@@ -1314,7 +1314,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.size_one_broadcast_hands_no_state",
-        "origins.py",
+        "trace/origins.py",
         "    return all(a in (b, 1) for a, b in zip(operand, out, strict=True))",
         "    return operand == out",
         "tests/test_state_leading_axes.py::test_a_step_size_per_batch_element_is_a_step_size",
@@ -1322,7 +1322,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.stacked_state_any_broadcast",
-        "paint_additions.py",
+        "paint/additions.py",
         "            if inp.shape == aval.shape or stepped(g, j, src, len(inp.shape)):",
         "            if True:",
         "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
@@ -1330,7 +1330,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.step_size_per_row_below_the_top",
-        "paint_additions.py",
+        "paint/additions.py",
         "    if _step_factor(n, nodes, rank, per_row=top):",
         "    if _step_factor(n, nodes, rank):",
         "tests/test_state_leading_axes.py::test_a_bias_broadcast_onto_activations_is_no_state",
@@ -1338,7 +1338,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.step_factor_spans_the_state",
-        "paint_additions.py",
+        "paint/additions.py",
         "    return all(size == 1 for size in shape[max(len(shape) - rank, 0) :])",
         "    return all(size == 1 for size in shape[:1])",
         (
@@ -1350,7 +1350,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.decayed_state_no_step",
-        "paint_additions.py",
+        "paint/additions.py",
         '        if name in ("mul", "div") and _step_factor(n, nodes, rank, chain, per_row=False):',
         "        if False:",
         "tests/test_state_leading_axes.py::test_a_state_update_with_leading_axes_stays_float32",
@@ -1359,7 +1359,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 28 items 3 and 4, issue 29 families 2, 3 and 7: carries and recurrences
     _m(
         "origins.top_k_and_sort_select_nothing",
-        "origins.py",
+        "trace/origins.py",
         '    | {"cummax", "cummin", "top_k", "approx_top_k", "sort", "scatter-max", "scatter_max"}',
         '    | {"cummax", "cummin", "scatter-max", "scatter_max"}',
         (
@@ -1370,7 +1370,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.stack_moves_nothing",
-        "origins.py",
+        "trace/origins.py",
         '    | {"stack", "unstack", "tile", "broadcast_to", "all_gather", "all_gather_invariant"}',
         '    | {"unstack", "tile", "broadcast_to", "all_gather", "all_gather_invariant"}',
         T_LOOPS + "test_item1_state_updated_through_data_movement",
@@ -1378,7 +1378,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "recurrences.loop_coefficients_not_found",
-        "paint_recurrences.py",
+        "paint/recurrences.py",
         '            if n.key in ("mul", "div"):  # a quotient on the chain divides the carry',
         '            if n.key == "div":  # a quotient on the chain divides the carry',
         T_REC + "test_recurrence_coefficients_are_float32",
@@ -1386,7 +1386,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "recurrences.tree_coefficients_not_found",
-        "paint_recurrences.py",
+        "paint/recurrences.py",
         "            if a is not None and b is not None and a[0] == b[0] and a[1] != b[1]:",
         "            if a is not None and b is not None and a[0] == b[0] and a[1] == b[1]:",
         T_REC + "test_associative_scan_coefficients_are_float32",
@@ -1394,7 +1394,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "recurrences.scaled_values_half",
-        "paint_recurrences.py",
+        "paint/recurrences.py",
         "    keep += _dfs(scaled, _fanin, g.nodes, linear) + products",
         "    keep += products",
         T_REC + "test_associative_scan_coefficients_are_float32",
@@ -1402,7 +1402,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "recurrences.coefficients_back_to_nothing",
-        "paint_recurrences.py",
+        "paint/recurrences.py",
         '        return v.listed_kind != ALLOW and v.key != "<carry>"',
         '        return v.listed_kind != ALLOW and v.key != "<carry>" and v.key != "<xs>"',
         T_REC + "test_recurrence_coefficients_are_float32",
@@ -1410,7 +1410,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.stacked_changed_carry_a_copy",
-        "origins.py",
+        "trace/origins.py",
         "        copy_of = None if o_out.derived & changed else o_out.copy_of",
         "        copy_of = o_out.copy_of",
         T_REC + "test_painted_by_for_stacked_copies_out_of_a_scan",
@@ -1418,7 +1418,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.half_carry_through_a_matmul",
-        "paint_additions.py",
+        "paint/additions.py",
         "            return v.id in body and v.listed_kind != ALLOW",
         "            return v.id == r or (v.id in body and v.listed_kind != ALLOW)",
         T_REC + "test_an_rnn_carry_is_no_half_carry",
@@ -1426,7 +1426,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.reciprocal_is_linear",
-        "origins.py",
+        "trace/origins.py",
         "            derived = per[0] - per[1]  # nor is 1 / old",
         "            derived = per[0] | per[1]  # nor is 1 / old",
         T_REC + "test_a_carry_read_through_a_nonlinear_op_keeps_tfs_colours",
@@ -1435,7 +1435,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- round 5 (lead): values made at trace time from a shape that may be symbolic
     _m(
         "equations.unread_carry_at_its_symbolic_shape",
-        "equations.py",
+        "trace/equations.py",
         "            args.append(None)",
         "            args.append(np.zeros(var.aval.shape, var.aval.dtype))",
         T_SYM + "test_loops_with_literal_bounds_over_symbolic_carries",
@@ -1443,7 +1443,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "custom_rules.float0_zeros_at_a_symbolic_shape",
-        "custom_rules.py",
+        "emit/custom_rules.py",
         "    if all(shapes.is_static(d) for d in ct.aval.shape):",
         "    if True:",
         T_SYM + "test_custom_rules_with_an_integer_output_at_a_symbolic_batch",
@@ -1452,7 +1452,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 28 (boundaries): complex values, kernels, float8 under shard_map
     _m(
         "graph.complex_values_frozen",
-        "graph.py",
+        "trace/graph.py",
         "    if jnp.issubdtype(var.aval.dtype, jnp.inexact) or o.frozen:",
         "    if is_float(var.aval.dtype) or o.frozen:",
         T_CPLX + "test_a_value_read_from_a_complex_one_overflows_as_by_hand",
@@ -1460,7 +1460,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.cast_from_complex_retargeted",
-        "graph.py",
+        "trace/graph.py",
         "                n.is_cast &= not touches_complex(eqn)  # from complex: TF's Real, on no list",
         "                n.is_cast &= True",
         T_CPLX + "test_complex_programs_match_float32_as_hand_written_half",
@@ -1468,7 +1468,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "equations.complex_ops_float32",
-        "equations.py",
+        "trace/equations.py",
         "    return bool(dtypes) and all(is_f32(d) for d in dtypes) and not touches_complex(eqn)",
         "    return bool(dtypes) and all(is_f32(d) for d in dtypes)",
         T_CPLX + "test_no_painting_decision_touches_a_complex_value",
@@ -1484,7 +1484,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "equations.kernels_not_sealed",
-        "equations.py",
+        "trace/equations.py",
         "    return any(not jc.is_array_aval(v.aval) for b in ho.held_jaxprs(eqn) for v in _boundary(b))",
         "    return False",
         (
@@ -1495,7 +1495,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.kernel_bodies_rewritten",
-        "emit.py",
+        "emit/emitter.py",
         "        if not self.painting.changed or sealed(eqn):",
         "        if not self.painting.changed:",
         T_KERN + "test_a_kernel_runs_as_written_between_half_matmuls",
@@ -1503,7 +1503,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.kernels_unexplained",
-        "paint.py",
+        "paint/passes.py",
         "    keep_kernels_as_written(g, p)\n",
         "",
         T_KERN + "test_explain_says_a_kernel_runs_as_written",
@@ -1511,7 +1511,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.ref_reads_frozen",
-        "graph.py",
+        "trace/graph.py",
         "                o = NOWHERE if reads_refs(eqn) else o  # a Ref holds what was last written",
         "                o = o",
         T_KERN + "test_a_value_read_from_a_ref_is_computed_not_a_constant",
@@ -1519,7 +1519,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "origins.pvary_hides_parameters",
-        "origins.py",
+        "trace/origins.py",
         "    | set(ANNOTATIONS)\n",
         "",
         (
@@ -1539,7 +1539,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 31: fused attention (the matcher, the float32 meaning of what it fuses)
     _m(
         "attention.any_negative_fill_masks",
-        "attention_match.py",
+        "attention/match.py",
         "    if masks and not (fill == -math.inf or fill <= FILL_LIMIT):",
         "    if masks and not (fill == -math.inf or fill < 0):",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[fill_100]",
@@ -1547,7 +1547,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.inverted_where_not_negated",
-        "attention_match.py",
+        "attention/match.py",
         "                masks += [dataclasses.replace(s, coef=-1.0) for s in found]",
         "                masks += found",
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[where_inverted]",
@@ -1555,7 +1555,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.divisor_taken_as_factor",
-        "attention_match.py",
+        "attention/match.py",
         '            c = 1.0 / c if name == "div" else c',
         "            c = c",
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[iota_matmul_inf]",
@@ -1563,7 +1563,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.bias_not_scaled_with_the_logits",
-        "attention_match.py",
+        "attention/match.py",
         "            biases = [dataclasses.replace(b, coef=b.coef * c) for b in biases]",
         "            biases = list(biases)",
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[bias_then_scale]",
@@ -1571,7 +1571,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.any_constant_mask_is_causal",
-        "attention.py",
+        "attention/select.py",
         "            and all(np.array_equal(x, tril) for x in same)",
         "            and True",
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[window]",
@@ -1579,7 +1579,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.forward_alone_though_read_elsewhere",
-        "attention.py",
+        "attention/select.py",
         "    if not why:",
         "    if True:",
         (
@@ -1590,7 +1590,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.fused_in_a_float32_region",
-        "attention.py",
+        "attention/select.py",
         "        if graph.nodes[node].region:",
         "        if False:",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[float32_region]",
@@ -1598,7 +1598,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.vjp_emitted_at_the_last_backward_equation",
-        "attention.py",
+        "attention/select.py",
         "    backward_at = min(j for j in matched if g in view.scope.jaxpr.eqns[j].invars)",
         "    backward_at = max(j for j in matched if g in view.scope.jaxpr.eqns[j].invars)",
         T_ATT + "test_models_fuse_forward_and_backward_within_hand_written_error[gpt]",
@@ -1606,7 +1606,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.inf_fill_rows_uniform",
-        "attention_emit.py",
+        "emit/attention.py",
         "    if core.fill == -math.inf:",
         "    if False:",
         T_ATT + "test_rows_without_keys_get_float32s_value[inf-where]",
@@ -1614,7 +1614,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.empty_rows_zero",
-        "attention_emit.py",
+        "emit/attention.py",
         "        fallback = jnp.broadcast_to(mean, out.shape)",
         "        fallback = jnp.zeros(out.shape, jnp.float32)",
         T_ATT + "test_rows_without_keys_get_float32s_value[finfo-where]",
@@ -1622,7 +1622,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.scale_from_constants_computed",
-        "attention_view.py",
+        "attention/view.py",
         "        if at is not None and at.name in FOLDED:",
         "        if False:",
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[jnp_sqrt_on_logits]",
@@ -1631,7 +1631,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 36 (4): fused attention's families pinned (meaning, guards, the call, explain)
     _m(
         "attention.softmax_axis_not_checked",
-        "attention_match.py",
+        "attention/match.py",
         '            if labels[axis] == "s" and labels.count("t") == 1:',
         '            if labels.count("t") == 1:',
         T_ATT + "test_each_mask_spelling_fuses_with_its_meaning[keys_first]",
@@ -1640,7 +1640,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.softmax_over_the_queries_unchecked",
-        "attention_match.py",
+        "attention/match.py",
         "        if tuple(contracted) != (axis,):",
         "        if False:",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[queries_axis]",
@@ -1649,7 +1649,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.bias_minus_logits_as_logits_minus_bias",
-        "attention_match.py",
+        "attention/match.py",
         '            if name == "sub" and pos == 1:',
         "            if False:",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[bias_minus_logits]",
@@ -1657,7 +1657,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.head_dim_limit_exclusive",
-        "attention_match.py",
+        "attention/match.py",
         "    if d % HEAD_DIM_MULTIPLE or d > head_dim_max():",
         "    if d % HEAD_DIM_MULTIPLE or d >= head_dim_max():",
         T_ATT + "test_head_dim_boundary[128]",
@@ -1665,7 +1665,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.half_painting_not_required",
-        "attention.py",
+        "attention/select.py",
         "        if node not in painting.allow:",
         "        if False:",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[precision_highest]",
@@ -1673,7 +1673,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.queries_and_keys_alone_not_tried",
-        "attention.py",
+        "attention/select.py",
         "        tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [q, k], [v, *floats], [v]]",
         "        tries = [[q, k, v, *floats], [q, k, v], [q, k, *floats], [v, *floats], [v]]",
         T_ATT + "test_gradient_of_queries_and_keys_only_with_a_float_bias_fuses_its_backward",
@@ -1682,7 +1682,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.float16_not_run_in_float32_off_cuda",
-        "attention_emit.py",
+        "emit/attention.py",
         "        f16 = q.dtype == jnp.float16",
         "        f16 = False",
         T_ATT + "test_float16_runs_off_cuda_in_float32",
@@ -1690,7 +1690,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.headless_batch_taken_for_heads",
-        "attention_emit.py",
+        "emit/attention.py",
         "        return batch[0], 1",
         "        return 1, batch[0]",
         T_ATT + "test_a_mask_of_an_attention_without_heads_is_placed_on_its_batch",
@@ -1698,7 +1698,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.saved_bytes_at_float32_size",
-        "attention.py",
+        "attention/select.py",
         "                        size = 2 if n in painting.allow else np.dtype(v.aval.dtype).itemsize",
         "                        size = np.dtype(v.aval.dtype).itemsize",
         (
@@ -1710,7 +1710,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.saved_bytes_on_the_logits_row",
-        "explain.py",
+        "explain/build.py",
         "    if fused is not None and n.id == fused.scope.eqns[fused.core.pv].node:",
         "    if fused is not None and n.id == fused.scope.eqns[fused.core.qk].node:",
         (
@@ -1723,7 +1723,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 36 (2): attention as MaxText and Gemma write it
     _m(
         "attention.group_taken_for_the_queries",
-        "attention_match.py",
+        "attention/match.py",
         '        labels[big[1]] = "g"\n        big = big[:1]',
         '        labels[big[0]] = "g"\n        big = big[1:]',
         T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
@@ -1732,7 +1732,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.grouped_heads_batch_major",
-        "attention_emit.py",
+        "emit/attention.py",
         '    x = arrange(x, labels, [*range(len(batch)), "g", length, "d"], jnp)',
         '    x = arrange(x, labels, ["g", *range(len(batch)), length, "d"], jnp)',
         T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
@@ -1741,7 +1741,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.gqa_guard_mean_per_kv_head",
-        "attention_emit.py",
+        "emit/attention.py",
         "        mean = jnp.repeat(mean, core.group, axis=2)  # (B, 1, N, D)",
         "        pass",
         T_ATT + "test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
@@ -1750,7 +1750,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.soft_cap_not_named",
-        "attention_match.py",
+        "attention/match.py",
         '    if at.name == "tanh" and _chain(view, at.operand(0), depth + 1) is not None:',
         "    if False:",
         T_ATT + "test_unfusable_attention_is_left_as_written_with_the_reason[soft_capped]",
@@ -1759,7 +1759,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- issue 36 (3): cuDNN's known traps, guarded in the emitted program
     _m(
         "attention.cudnn_bias_float32",
-        "attention_emit.py",
+        "emit/attention.py",
         "    bias = None if bias is None else clamp(bias, half).astype(half)",
         "    bias = None if bias is None else clamp(bias, half)",
         T_ATT + "test_cudnn_gets_a_bias_of_the_queries_dtype",
@@ -1767,7 +1767,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.cudnn_padding_mask_not_broadcast",
-        "attention_emit.py",
+        "emit/attention.py",
         "    return None if x is None else jnp.broadcast_to(x, (*x.shape[:2], t, s))",
         "    return x",
         T_ATT + "test_cudnn_gets_a_padding_mask_at_both_sequence_lengths",
@@ -1775,7 +1775,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.cudnn_64_mod_128_not_padded",
-        "attention_emit.py",
+        "emit/attention.py",
         "    if explicit and n % _TILE == _TILE // 2:",
         "    if False:",
         T_ATT + "test_cudnn_lengths_64_mod_128_with_a_mask_are_padded_to_128[64-masked]",
@@ -1783,7 +1783,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.cudnn_bias_gradient_any_batch",
-        "attention.py",
+        "attention/select.py",
         "        if any(b.atom is a for a in diff) and _bias_batch(core, b) > 1:",
         "        if False:",
         T_ATT + "test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason",
@@ -1791,7 +1791,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.cudnn_bias_gradient_forward_only",
-        "attention.py",
+        "attention/select.py",
         "            if learned and _bias_batch(core, b) > 1 and _from_float_inputs(scope.jaxpr, b.atom):",
         "            if False:",
         T_ATT + "test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason",
@@ -1800,7 +1800,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "attention.head_dim_256_without_cudnn_9_5",
-        "attention_match.py",
+        "attention/match.py",
         "    if found is not None and found[0] >= (9, 0) and found[1] >= (9, 5):",
         "    if found is not None and found[0] >= (9, 0):",
         T_ATT + "test_head_dims_up_to_256_on_hopper_with_cudnn_9_5[hopper-9.4]",
@@ -1808,7 +1808,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.body_flags_shared",
-        "emit.py",
+        "emit/emitter.py",
         "        with self.own_flags():\n            return self.run(scope, consts, args, **kw)",
         "        return self.run(scope, consts, args, **kw)",
         "tests/test_oracle.py::test_counterexample[masks-flags-captured-by-open-body-bf16]",
@@ -1817,7 +1817,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "masking.cond_computed_output_flagged",
-        "masking.py",
+        "emit/masking.py",
         "            return jnp.zeros(jnp.shape(val), np.int8)",
         "            return self.beyond(val)",
         "tests/test_round4_numerics.py::test_a_cond_output_constant_in_one_branch_only_still_overflows[eager]",
@@ -1826,7 +1826,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.cond_boundary_cast_unflagged",
-        "emit.py",
+        "emit/emitter.py",
         "                self.flags.adopt(env[jaxpr.outvars[i]], flag)",
         "                pass",
         "tests/test_round4_numerics.py::test_a_switch_hands_out_each_branchs_flags[eager]",
@@ -1835,7 +1835,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "eager.segment_flags_dropped",
-        "eager.py",
+        "compare/eager.py",
         "                em.flags.adopt(outs[k], flag)",
         "                pass",
         "tests/test_round4_numerics.py::test_compare_overflows_where_the_rewrite_does_across_control_flow[True]",
@@ -1847,7 +1847,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # that catch each (the painting goldens first).
     _m(
         "graph.cond_output_first_branch_only",
-        "graph.py",
+        "trace/graph.py",
         "            self._link(outs, bouts)",
         "            self._link(outs, bouts) if i == 0 else None",
         R29_ENGINE,
@@ -1855,7 +1855,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.scan_of_one_trip_unrun",
-        "graph.py",
+        "trace/graph.py",
         '        if eqn.params.get("length") == 0:',
         '        if eqn.params.get("length") <= 1:',
         R29_ENGINE,
@@ -1863,7 +1863,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.scan_xs_unlinked",
-        "graph.py",
+        "trace/graph.py",
         '        self._link(xnodes, ops["xs"])',
         "        pass",
         R29_ENGINE,
@@ -1871,7 +1871,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "graph.while_cond_consts_dropped",
-        "graph.py",
+        "trace/graph.py",
         '        if false_at_once(layout, atoms["cond_consts"] + atoms["carry"]):',
         '        if false_at_once(layout, atoms["carry"]):',
         R29_ENGINE,
@@ -1879,7 +1879,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.scan_ys_float32",
-        "emit.py",
+        "emit/emitter.py",
         '        y_dtypes = em.carry_dtypes(rec.ys, [v.aval for v in eqn.outvars[layout.size("carry") :]])',
         '        y_dtypes = [v.aval.dtype for v in eqn.outvars[layout.size("carry") :]]',
         R29_ENGINE,
@@ -1887,7 +1887,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.pass3_roots_unprocessed",
-        "paint.py",
+        "paint/passes.py",
         "    roots = [n.id for n in g.nodes if p.processes(n) and p.kind_of(n) == ALLOW]",
         "    roots = [n.id for n in g.nodes if p.kind_of(n) == ALLOW]",
         R29_ENGINE,
@@ -1895,7 +1895,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.pass4_paints_deny",
-        "paint.py",
+        "paint/passes.py",
         "        if p.kind_of(n) != INFER or not _eligible(n, p) or n.id in p.allow:",
         "        if p.kind_of(n) != INFER or n.id in p.allow:",
         R29_ENGINE,
@@ -1903,7 +1903,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.saturation_chain_too_short",
-        "paint_additions.py",
+        "paint/additions.py",
         "_CHAIN_LIMIT = 8",
         "_CHAIN_LIMIT = 2",
         R29_ENGINE,
@@ -1911,7 +1911,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.exp_saturates",
-        "paint_additions.py",
+        "paint/additions.py",
         '_SATURATING = frozenset({"tanh", "logistic", "erf"})',
         '_SATURATING = frozenset({"tanh", "logistic", "erf", "exp"})',
         R29_ENGINE,
@@ -1919,7 +1919,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.precision_high_kept",
-        "paint_additions.py",
+        "paint/additions.py",
         "    return any(v == lax.Precision.HIGHEST for v in values if isinstance(v, lax.Precision))",
         "    return any(v != lax.Precision.DEFAULT for v in values if isinstance(v, lax.Precision))",
         R29_ENGINE,
@@ -1927,7 +1927,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "equations.while_cond_output_unread",
-        "equations.py",
+        "trace/equations.py",
         "    read |= {a for a in inner.outvars if not jc.is_literal(a)}",
         "    read |= set()",
         R29_ENGINE,
@@ -1936,7 +1936,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "equations.key_carry_makes_loop_unknown",
-        "equations.py",
+        "trace/equations.py",
         "        elif var in read:",
         "        elif var in read or not isinstance(var.aval.dtype, np.dtype):  # a key, a token",
         R29_ENGINE,
@@ -1946,7 +1946,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "higher_order.scan_consts_carry_swapped",
-        "higher_order.py",
+        "trace/higher_order.py",
         '        nc, nk = p["num_consts"], p["num_carry"]',
         '        nk, nc = p["num_consts"], p["num_carry"]',
         R29_ENGINE,
@@ -1994,7 +1994,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.conv_flops_output_channels",
-        "explain.py",
+        "explain/build.py",
         "        per_tap = out.shape[dn.out_spec[0]] * out.shape[dn.out_spec[1]] * rhs.shape[dn.rhs_spec[1]]",
         "        per_tap = out.shape[dn.out_spec[0]] * out.shape[dn.out_spec[1]] * rhs.shape[dn.rhs_spec[0]]",
         R29_EXPLAIN,
@@ -2002,7 +2002,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.nested_scan_trips_inner_only",
-        "explain.py",
+        "explain/build.py",
         "        return mult * (rec.layout.length if rec.layout is not None else 1)",
         "        return rec.layout.length if rec.layout is not None else mult",
         R29_EXPLAIN,
@@ -2010,7 +2010,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain.dot_flops_rhs_contracting_dims",
-        "explain.py",
+        "explain/build.py",
         '    (contract, _), _ = eqn.params["dimension_numbers"]',
         '    (_, contract), _ = eqn.params["dimension_numbers"]',
         R29_EXPLAIN,
@@ -2018,7 +2018,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "report.bfloat16_share_includes_float8",
-        "report.py",
+        "explain/report.py",
         '                f"{100 * (half - f8):.1f}% / {100 * (1 - half):.1f}%; float8 adds "',
         '                f"{100 * half:.1f}% / {100 * (1 - half):.1f}%; float8 adds "',
         R29_EXPLAIN,
@@ -2026,7 +2026,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain_view.float32_flops_minus_bfloat16_only",
-        "explain_view.py",
+        "explain/view.py",
         "        return self.float8_flops, half, self.flops - self.half_flops",
         "        return self.float8_flops, half, self.flops - half",
         R29_EXPLAIN,
@@ -2034,7 +2034,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "paint.deny_releases_move_released_nodes",
-        "paint.py",
+        "paint/passes.py",
         "        moved = frozenset(n.id for n in graph.nodes if n.key == key and painting.kind_of(n) == DENY)",
         "        moved = frozenset(n.id for n in graph.nodes if n.key == key)",
         R29_EXPLAIN,
@@ -2042,7 +2042,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "eager.underflow_counts_exact_zeros",
-        "eager.py",
+        "compare/eager.py",
         "            self.underflow += int(np.count_nonzero(r_fin & (r != 0) & (h == 0)))",
         "            self.underflow += int(np.count_nonzero(r_fin & (h == 0)))",
         R29_COMPARE,
@@ -2050,7 +2050,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "eager.norm_error_from_rel_error",
-        "eager.py",
+        "compare/eager.py",
         "                    norm, float(np.linalg.norm(diff)) / (float(np.linalg.norm(r_abs)) + _TINY)",
         "                    rel, float(np.linalg.norm(diff)) / (float(np.linalg.norm(r_abs)) + _TINY)",
         R29_COMPARE,
@@ -2060,7 +2060,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # test for, each pinned by the test named (planted by hand first, seen to fail).
     _m(
         "tangents.moves_hand_on_no_float32_value",
-        "tangents.py",
+        "emit/tangents.py",
         'HANDS_ON = MOVES_FIRST | {"convert_element_type", "concatenate", "pad", "select_n", "tile"}',
         'HANDS_ON = frozenset({"convert_element_type", "concatenate", "pad", "select_n", "tile"})',
         T_MASKS + "test_the_gradient_through_a_moved_fill_is_the_fills[broadcast_in_dim-float16]",
@@ -2070,7 +2070,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "emit.call_of_moves_no_float32_value",
-        "emit.py",
+        "emit/emitter.py",
         "            if rec.kind == ho.CALL:  # a call of moves (``jnp.flip``): float32 values too",
         "            if False:  # a call of moves (``jnp.flip``): float32 values too",
         T_MASKS + "test_the_gradient_through_a_moved_fill_is_the_fills[flip_call-float16]",
@@ -2079,7 +2079,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "recurrences.reduce_prod_no_running_product",
-        "paint_recurrences.py",
+        "paint/recurrences.py",
         '_RUNNING_PRODUCTS = ("cumprod", "reduce_prod")',
         '_RUNNING_PRODUCTS = ("cumprod",)',
         T_REC + "test_a_product_of_gates_is_a_coefficient",
@@ -2106,7 +2106,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "cli.compare_tolerance_ignored",
-        "cli.py",
+        "cli/main.py",
         "            tolerance=args.tolerance,",
         "            tolerance=0.05,",
         "tests/test_cli.py::test_compare_uses_the_tolerance_given",
@@ -2114,7 +2114,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "cli.tolerance_unchecked",
-        "cli.py",
+        "cli/main.py",
         "        type=_tolerance,",
         "        type=float,",
         "tests/test_cli.py::test_compare_refuses_a_bad_tolerance",

@@ -70,27 +70,30 @@ BROAD: dict[str, tuple[str, ...]] = {
     **{
         "jmp_rewrite/_src/" + m: _REWRITE_FILES
         for m in (
-            "paint.py",
-            "paint_additions.py",
-            "painting.py",
-            "graph.py",
-            "origins.py",
-            "emit.py",
-            "higher_order.py",
+            "paint/passes.py",
+            "paint/additions.py",
+            "paint/painting.py",
+            "trace/graph.py",
+            "trace/origins.py",
+            "emit/emitter.py",
+            "trace/higher_order.py",
         )
     },
-    "jmp_rewrite/_src/op_lists.py": _REWRITE_FILES,
-    "jmp_rewrite/_src/environment.py": _REWRITE_FILES,
-    "jmp_rewrite/_src/equations.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/lists/op_lists.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/lists/environment.py": _REWRITE_FILES,
+    "jmp_rewrite/_src/trace/equations.py": _REWRITE_FILES,
     "jmp_rewrite/_src/fp8.py": ("tests/test_fp8.py",),
     **{
         "jmp_rewrite/_src/" + m: ("tests/test_explain.py", "tests/test_explain_view.py")
-        for m in ("explain.py", "report.py", "explain_view.py")
+        for m in ("explain/build.py", "explain/report.py", "explain/view.py")
     },
-    **{"jmp_rewrite/_src/" + m: ("tests/test_compare.py",) for m in ("compare.py", "eager.py")},
-    "jmp_rewrite/_src/loss_scale.py": _LOSS_SCALE_FILES,
-    "jmp_rewrite/_src/loss_scale_optimizer.py": _LOSS_SCALE_FILES,
-    "jmp_rewrite/_src/finite.py": _LOSS_SCALE_FILES,
+    **{
+        "jmp_rewrite/_src/" + m: ("tests/test_compare.py",)
+        for m in ("compare/run.py", "compare/eager.py")
+    },
+    "jmp_rewrite/_src/loss_scale/scale.py": _LOSS_SCALE_FILES,
+    "jmp_rewrite/_src/loss_scale/optimizer.py": _LOSS_SCALE_FILES,
+    "jmp_rewrite/_src/loss_scale/finite.py": _LOSS_SCALE_FILES,
 }
 
 

@@ -15,7 +15,7 @@ from tools.mutant_list import Mutant, _m  # _m: the list's own builder (a file u
 MUTANTS: tuple[Mutant, ...] = (
     _m(
         "r6_cond_frozen_any",
-        "origins.py",
+        "trace/origins.py",
         "frozen=all(o.frozen for o in origins),",
         "frozen=any(o.frozen for o in origins),",
         "tests/test_round4_numerics.py::test_a_cond_output_constant_in_one_branch_only_still_overflows",
@@ -23,7 +23,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_square_is_linear",
-        "origins.py",
+        "trace/origins.py",
         "derived = per[0] ^ per[1]",
         "derived = per[0] | per[1]",
         "tests/test_goldens.py::test_painting_goldens[generated]",
@@ -31,7 +31,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_float32_read_all",
-        "paint_additions.py",
+        "paint/additions.py",
         "or any(c not in p.allow for c in g.nodes[v].fanout)",
         "or all(c not in p.allow for c in g.nodes[v].fanout)",
         "tests/test_goldens.py::test_painting_goldens[tf_patterns]",
@@ -39,7 +39,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_step_tail_scaling",
-        "paint_additions.py",
+        "paint/additions.py",
         "_products(v) > 1",
         "_products(v) >= 1",
         "tests/test_goldens.py::test_painting_goldens[generated]",
@@ -47,7 +47,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_infer_follow_all",
-        "paint.py",
+        "paint/passes.py",
         "if any(s in p.allow for s in n.fanin):",
         "if all(s in p.allow for s in n.fanin):",
         "tests/test_goldens.py::test_painting_goldens[tf_patterns]",
@@ -55,7 +55,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_carry_drops_copy",
-        "graph.py",
+        "trace/graph.py",
         "origins.append(Origin(copy_of=o.copy_of, derived=derived, big=o.big))",
         "origins.append(Origin(derived=derived, big=o.big))",
         (
@@ -69,7 +69,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_read_no_clamp",
-        "emit.py",
+        "emit/emitter.py",
         "clamp(val, dtype) if const else val",
         "val",
         "tests/test_round4_numerics.py::test_padded_rows_are_uniform_as_in_float32[finfo-eager-f16]",
@@ -77,7 +77,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_target_any_float",
-        "emit.py",
+        "emit/emitter.py",
         "return self.half if self.is_half(node) and is_f32(dtype) else dtype",
         "return self.half if self.is_half(node) and is_float(dtype) else dtype",
         (
@@ -92,7 +92,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_clamp_one_sided",
-        "clamping.py",
+        "emit/clamping.py",
         "big = jnp.isfinite(value) & ((value < lo) | (value > hi))",
         "big = jnp.isfinite(value) & (value > hi)",
         "tests/test_round4_numerics.py::test_padded_rows_are_uniform_as_in_float32[finfo-eager-f16]",
@@ -100,7 +100,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_refused_growth_keeps_count",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "good_if_finite = jnp.where(grow, jnp.zeros_like(next_good), next_good)",
         "good_if_finite = jnp.where(grow & can_grow, jnp.zeros_like(next_good), next_good)",
         "tests/test_goldens.py::test_painting_goldens[models]",
@@ -108,7 +108,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_max_scale_exclusive",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "grown <= jnp.float32(self.max_loss_scale)",
         "grown < jnp.float32(self.max_loss_scale)",
         "tests/test_loss_scale.py::test_growth_may_reach_max_loss_scale_exactly[eager]",
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_skip_plus_zero",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "return -zeros if jnp.issubdtype(u.dtype, jnp.inexact) else zeros",
         "return zeros",
         "tests/test_goldens.py::test_painting_goldens[models]",
@@ -124,7 +124,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_scale_at_least_one_initial",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         "return rule.min_loss_scale >= 1.0",
         "return rule.initial_loss_scale >= 1.0",
         "tests/test_loss_scale_misuse.py::test_dynamic_scale_backed_off_below_one_skips_a_gradient_that_overflows_only_unscaled[False]",
@@ -148,7 +148,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_attention_bias_unscaled",
-        "attention_match.py",
+        "attention/match.py",
         "biases = [dataclasses.replace(b, coef=b.coef * c) for b in biases]",
         "biases = list(biases)",
         "tests/test_fused_attention.py::test_each_mask_spelling_fuses_with_its_meaning[bias_then_scale]",
@@ -156,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_attention_empty_row_any",
-        "attention.py",
+        "attention/select.py",
         "not const_keep.any(axis=-1).all()",
         "not const_keep.any(axis=-1).any()",
         "tests/test_fused_attention.py::test_a_constant_mask_with_some_rows_without_keys_gives_them_float32s_value",
@@ -164,7 +164,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_conv_taps_padding",
-        "explain.py",
+        "explain/build.py",
         "0 <= (at := o * stride + t * rhs_dilation - low) < length",
         "0 <= (at := o * stride + t * rhs_dilation - low) <= length",
         "tests/test_goldens.py::test_painting_goldens[tf_patterns]",
@@ -172,7 +172,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_underflow_counts_zeros",
-        "eager.py",
+        "compare/eager.py",
         "r_fin & (r != 0) & (h == 0)",
         "r_fin & (h == 0)",
         "tests/test_compare.py::test_benign_program_has_small_errors_and_no_suggestions[float16]",
@@ -180,7 +180,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r6_first_exceeding_last",
-        "compare.py",
+        "compare/run.py",
         "st.first_exceed < first[0]",
         "st.first_exceed > first[0]",
         "tests/test_compare.py::test_mul_between_two_matmuls_then_the_matmul_that_reads_it",

@@ -24,7 +24,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_a_cast_read_by_a_half_matmul_and_a_float32_op_stays_float32[float16]
     _m(
         "r7_cast_allow_if_any_output_allow",
-        "paint.py",
+        "paint/passes.py",
         "            if all(c in p.allow for c in n.fanout):",
         "            if any(c in p.allow for c in n.fanout):",
         "tests/test_dtype_decisions.py::test_a_cast_read_by_a_half_matmul_and_a_float32_op_stays_float32[float16]",
@@ -35,7 +35,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_goldens.py::test_painting_goldens[tf_patterns]
     _m(
         "r7_unit_deny_pieces_half",
-        "paint_additions.py",
+        "paint/additions.py",
         "if n.unit is not None and n.float32 and n.unit in p.allow and n.listed_kind != DENY:",
         "if n.unit is not None and n.float32 and n.unit in p.allow:",
         "tests/test_goldens.py::test_painting_goldens[tf_patterns]",
@@ -45,7 +45,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_mask_values.py::test_every_spelling[broadcast-finfo16-int-float16]
     _m(
         "r7_fill_at_half_max_not_big",
-        "origins.py",
+        "trace/origins.py",
         "return bool(a.size) and float(a.max()) >= limit",
         "return bool(a.size) and float(a.max()) > limit",
         "tests/test_mask_values.py::test_every_spelling[broadcast-finfo16-int-float16]",
@@ -58,7 +58,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_item3_scatter_add_accumulates_in_float32[scatter_add-bfloat16]
     _m(
         "r7_scatter_add_sums_in_half",
-        "emit.py",
+        "emit/emitter.py",
         '    "scatter-add",\n',
         "",
         "tests/test_invariants.py::test_item3_scatter_add_accumulates_in_float32[scatter_add-bfloat16]",
@@ -69,7 +69,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_mask_values.py::test_every_boundary[plain-False-float16]
     _m(
         "r7_row_max_flag_any",
-        "masking.py",
+        "emit/masking.py",
         "lo, hi = jnp.all(flags[0] < 0, axis=axes), jnp.any(flags[0] > 0, axis=axes)",
         "lo, hi = jnp.any(flags[0] < 0, axis=axes), jnp.any(flags[0] > 0, axis=axes)",
         "tests/test_mask_values.py::test_every_boundary[plain-False-float16]",
@@ -81,7 +81,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_the_gradient_through_a_clamped_fill_is_the_fills[grad_of_rewrite]
     _m(
         "r7_tangent_reads_saturated",
-        "tangents.py",
+        "emit/tangents.py",
         "up = [cast(values.get(i, v), np.float32) for i, v in enumerate(primals[:n])]",
         "up = [cast(v, np.float32) for i, v in enumerate(primals[:n])]",
         "tests/test_mask_values.py::test_the_gradient_through_a_clamped_fill_is_the_fills[grad_of_rewrite]",
@@ -93,7 +93,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_loss_scale.py::test_min_loss_scale_below_one_and_custom_multiplier
     _m(
         "r7_backoff_by_two",
-        "loss_scale.py",
+        "loss_scale/scale.py",
         "scale_if_not = jnp.maximum(loss_scale / multiplier, jnp.float32(self.min_loss_scale))",
         "scale_if_not = jnp.maximum(loss_scale / 2.0, jnp.float32(self.min_loss_scale))",
         "tests/test_loss_scale.py::test_min_loss_scale_below_one_and_custom_multiplier",
@@ -104,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_complex_parameters_keep_their_imaginary_part
     _m(
         "r7_complex_params_to_float32",
-        "loss_scale_optimizer.py",
+        "loss_scale/optimizer.py",
         'if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):',
         'if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact):',
         "tests/test_loss_scale_optimizer.py::test_complex_parameters_keep_their_imaginary_part",
@@ -114,7 +114,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_loss_scale_optimizer.py::test_scale_loss_is_float32_and_exact
     _m(
         "r7_scale_loss_in_loss_dtype",
-        "loss_scale_state.py",
+        "loss_scale/state.py",
         "dtype = jnp.promote_types(loss.dtype, jnp.float32)",
         "dtype = loss.dtype",
         "tests/test_loss_scale_optimizer.py::test_scale_loss_is_float32_and_exact",
@@ -125,7 +125,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_scale_below_one_catches_overflow_of_the_unscaled_gradients
     _m(
         "r7_dot_check_below_one",
-        "finite.py",
+        "loss_scale/finite.py",
         'cpu_method = "dot" if scale_at_least_one else "elementwise"',
         'cpu_method = "dot"',
         "tests/test_loss_scale_optimizer.py::test_scale_below_one_catches_overflow_of_the_unscaled_gradients",
@@ -150,7 +150,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   test_models_fuse_forward_and_backward_within_hand_written_error[nnx]
     _m(
         "r7_attention_masks_or",
-        "attention_emit.py",
+        "emit/attention.py",
         "mask = keep if mask is None else mask & keep",
         "mask = keep if mask is None else mask | keep",
         "tests/test_fused_attention.py::test_models_fuse_forward_and_backward_within_hand_written_error[nnx]",
@@ -161,7 +161,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_explain.py::test_totals
     _m(
         "r7_matmul_flops_not_doubled",
-        "explain.py",
+        "explain/build.py",
         "return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)",
         "return math.prod(out.shape) * math.prod(lhs.shape[d] for d in contract)",
         "tests/test_explain.py::test_totals",
@@ -176,7 +176,7 @@ MUTANTS: tuple[Mutant, ...] = (
     #   suggestion); no test has a program whose float32 run already holds a NaN
     _m(
         "r7_compare_nan_counts_reference",
-        "eager.py",
+        "compare/eager.py",
         "nan = int(np.count_nonzero(np.isnan(h) & ~np.isnan(r)))",
         "nan = int(np.count_nonzero(np.isnan(h)))",
         "tests/test_compare.py::test_nans_float32_has_too_are_not_blamed_on_half_precision[float16]",
@@ -187,7 +187,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_arguments.py::test_static_argument_names_map_through_the_signature
     _m(
         "r7_static_argnums_not_named",
-        "arguments.py",
+        "trace/arguments.py",
         "all_names = set(names) | {s for s, i in by_name.items() if i in all_nums}",
         "all_names = set(names)",
         "tests/test_arguments.py::test_static_argument_names_map_through_the_signature",

@@ -7,7 +7,7 @@
   the tables of ``benchmarks.md``).
 - A NamedTuple's fields are listed once, from its docstring.
 - Type hints name the private modules where a public class is defined
-  (``jmp_rewrite._src.explain.Report``): such a reference resolves to the public name's entry
+  (``jmp_rewrite._src.explain.build.Report``): such a reference resolves to the public name's entry
   (``jmp_rewrite.Report``), and only when that public name is the same object.
 """
 

@@ -24,7 +24,7 @@ import jax.extend.core
 import jax.numpy as jnp
 
 import jmp_rewrite
-from jmp_rewrite._src import explain_html
+from jmp_rewrite._src.explain import html as explain_html
 
 GUIDE = os.path.join("guides", "how_it_works.md")
 EXPLAIN_GUIDE = os.path.join("guides", "explain.md")

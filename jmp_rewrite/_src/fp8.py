@@ -53,8 +53,8 @@ import numpy as np
 from jax import lax
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import higher_order as ho
-from jmp_rewrite._src import source_info
+from jmp_rewrite._src.trace import higher_order as ho
+from jmp_rewrite._src.trace import source_info
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)

@@ -22,14 +22,13 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src import arguments, nnx_support
 from jmp_rewrite._src import fp8 as fp8_lib
-from jmp_rewrite._src.emit import Emitter
-from jmp_rewrite._src.facts import EquationPaint, equation_facts
-from jmp_rewrite._src.graph import Graph
-from jmp_rewrite._src.op_lists import OpLists
-from jmp_rewrite._src.paint import paint
-from jmp_rewrite._src.painting import Painting
+from jmp_rewrite._src import nnx_support
+from jmp_rewrite._src.emit.emitter import Emitter
+from jmp_rewrite._src.emit.facts import EquationPaint, equation_facts
+from jmp_rewrite._src.lists.op_lists import OpLists
+from jmp_rewrite._src.paint.painting import Painting
+from jmp_rewrite._src.paint.passes import paint
 from jmp_rewrite._src.settings import (
     _HALF_DTYPES_MSG,
     Fp8NoneSelectedWarning,
@@ -43,6 +42,8 @@ from jmp_rewrite._src.settings import (
     validate_fp8,
     validate_fuse_attention,
 )
+from jmp_rewrite._src.trace import arguments
+from jmp_rewrite._src.trace.graph import Graph
 
 F = TypeVar("F", bound=Callable[..., Any])
 

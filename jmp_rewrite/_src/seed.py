@@ -17,8 +17,8 @@ from typing import Any
 import optax
 
 from jmp_rewrite._src import settings
-from jmp_rewrite._src.loss_scale import LossScale
-from jmp_rewrite._src.loss_scale_optimizer import is_loss_scale_optimizer, loss_scale_optimizer
+from jmp_rewrite._src.loss_scale.optimizer import is_loss_scale_optimizer, loss_scale_optimizer
+from jmp_rewrite._src.loss_scale.scale import LossScale
 
 #: The keyword arguments of :func:`jmp_rewrite.rewrite` the switch may carry.
 REWRITE_OPTIONS = ("dtype", "lists", "level", "infer_follows_allow")

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_rewrite._src import environment
 from jmp_rewrite._src import fp8 as fp8_lib
-from jmp_rewrite._src import op_lists as op_lists_lib
+from jmp_rewrite._src.lists import environment
+from jmp_rewrite._src.lists import op_lists as op_lists_lib
 
 HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _HALF_DTYPES_MSG = "jnp.float16 or jnp.bfloat16"
