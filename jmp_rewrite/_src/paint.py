@@ -26,7 +26,10 @@ from jmp_rewrite._src.paint_additions import (
     keep_unrun_loop_carries_float32,
     release_saturated_powers,
 )
-from jmp_rewrite._src.paint_recurrences import keep_recurrence_coefficients_float32
+from jmp_rewrite._src.paint_recurrences import (
+    keep_ranked_increments_float32,
+    keep_recurrence_coefficients_float32,
+)
 from jmp_rewrite._src.painting import ALLOW, CLEAR, DENY, INFER, Painting, _dfs, _fanin, _fanout
 
 
@@ -188,6 +191,7 @@ def paint(
     keep_unrun_loop_carries_float32(g, p)
     keep_state_updates_float32(g, p)
     keep_recurrence_coefficients_float32(g, p)
+    keep_ranked_increments_float32(g, p)
     keep_normalization_statistics_float32(g, p)
     release_saturated_powers(g, p)
     keep_highest_precision_float32(g, p)
