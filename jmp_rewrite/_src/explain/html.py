@@ -70,6 +70,7 @@ PASS_WORDS = {
     "keep_output_copies_float32": "an output copied from an input stays bit-exact",
     "keep_state_updates_float32": "a state update (running average, optimizer step)",
     "keep_recurrence_coefficients_float32": "a recurrence's coefficient (a gate on a state)",
+    "keep_ranked_scores_float32": "a running score a selection ranks (beam search)",
     "keep_normalization_statistics_float32": "normalization statistics stay float32",
     "keep_kernels_as_written": "a kernel (Pallas, run_state): runs as written, in its dtypes",
     "unit": "part of a fused unit",

@@ -35,7 +35,10 @@ from jmp_rewrite._src.paint.painting import (
     _fanin,
     _fanout,
 )
-from jmp_rewrite._src.paint.recurrences import keep_recurrence_coefficients_float32
+from jmp_rewrite._src.paint.recurrences import (
+    keep_ranked_increments_float32,
+    keep_recurrence_coefficients_float32,
+)
 from jmp_rewrite._src.trace.graph import Graph, Node
 
 
@@ -197,6 +200,7 @@ def paint(
     keep_unrun_loop_carries_float32(g, p)
     keep_state_updates_float32(g, p)
     keep_recurrence_coefficients_float32(g, p)
+    keep_ranked_increments_float32(g, p)
     keep_normalization_statistics_float32(g, p)
     release_saturated_powers(g, p)
     keep_highest_precision_float32(g, p)

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from jmp_rewrite._src import _jax_compat as jc
-from jmp_rewrite._src.paint.additions import _keep_float32, recurrence_chains
+from jmp_rewrite._src.paint.additions import _keep_float32, recurrence_chains, state_chain
 from jmp_rewrite._src.paint.painting import ALLOW, Painting, _dfs, _fanin
 from jmp_rewrite._src.trace.graph import Graph, Node
-from jmp_rewrite._src.trace.origins import LINEAR_OR_MOVING
+from jmp_rewrite._src.trace.origins import LINEAR_OR_MOVING, LoopState
 
 #: Element selections a piece of a value is cut out by (``a[1::2]``, ``a[t]``, a shift);
 #: with the value-preserving steps around them.
@@ -134,3 +134,55 @@ def keep_recurrence_coefficients_float32(g: Graph, p: Painting) -> None:
     keep = _dfs(coefficients, _fanin, g.nodes, computes)
     keep += _dfs(scaled, _fanin, g.nodes, linear) + products
     _keep_float32(g, p, keep, "keep_recurrence_coefficients_float32")
+
+
+#: Selections that rank the values they read against each other: what they pick depends on
+#: the order of those values (``top_k`` of a beam search's scores, ``sort``, a maximum).
+_RANKINGS = frozenset({"top_k", "approx_top_k", "sort", "reduce_max", "reduce_min"})
+_RANKINGS |= {"cummax", "cummin", "argmax", "argmin"}
+
+
+def _ranked(g: Graph, ls: LoopState, chain: list[int]) -> bool:
+    """Whether a selection in loop state ``ls``'s body ranks values of its ``chain``: one of
+    :data:`_RANKINGS` reading a value linear in the carries of its cycle (the ``top_k`` or
+    ``argsort`` whose indices a gather of the scores takes, an ``argmax``), or a
+    ``max``/``min`` of two values of the chain (``maximum(s0 + a, s1 + b)``, not a clip)."""
+    members = set(chain)
+    for i in ls.body:
+        n = g.nodes[i]
+        if n.key in _RANKINGS and any(ls.cycle & g.nodes[f].origin.derived for f in n.fanin):
+            return True
+        if n.key in ("max", "min") and len([f for f in n.fanin if f in members]) >= 2:
+            return True
+    return False
+
+
+def keep_ranked_increments_float32(g: Graph, p: Painting) -> None:
+    """What a ranked running score adds each step is computed float32 from the matmuls.
+
+    Our addition. A loop carry updated from itself through a selection that ranks it (beam
+    search's ``top_k(scores[:, None] + log_probs)``, ``sort``, a running ``max``) is state,
+    kept float32 with its chain by the state pass; but the choice of beams compares sums of
+    increments over every step, where a half-precision rounding of each log-probability
+    (``u |log p|``, 2e-3 in float16 for ``log p = -4``) adds up to more than the gaps between
+    near-tied candidates, and one flipped choice changes the rest of the search. The state
+    pass keeps only the increment's linear tail float32 (sums and scalings), which stops at
+    the first other op: a ``log_softmax`` (a fused unit), ``log(softmax(.))``, the bias add
+    behind it. Here the increment is kept float32 with everything it is computed from, back
+    to the matmuls (which stay half, their results cast up once) and the loop's carries, as
+    a hand-written search computes its scores, whatever the spelling.
+    """
+
+    def computes(v: Node, r: int) -> bool:
+        return v.float32 and v.listed_kind != ALLOW and v.key != "<carry>"
+
+    carries = {ls.state: ls.carry for ls in g.loop_states}
+    for ls in g.loop_states:
+        if not ls.recurrent or not g.nodes[ls.carry].float32:
+            continue
+        chain = state_chain(g, ls.cycle, [ls.root], frozenset(carries[s] for s in ls.cycle))
+        if not _ranked(g, ls, chain):
+            continue
+        members = set(chain)
+        starts = [f for i in chain for f in g.nodes[i].fanin if f not in members]
+        _keep_float32(g, p, _dfs(starts, _fanin, g.nodes, computes), "keep_ranked_scores_float32")
