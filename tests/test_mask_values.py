@@ -269,6 +269,48 @@ def test_encoders_end_to_end(order, kind, fill, dtype):
         assert _rel(g, r) <= max(tol_grad, 3 * _rel(h, r)), (_rel(g, r), _rel(h, r))
 
 
+def _bits(tree) -> bytes:
+    return b"".join(np.asarray(x).tobytes() for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi"])
+def test_rewrite_of_grad_of_an_encoder_does_not_depend_on_what_ran_before(kind):
+    """Issue 36.5(b): an outside run saw non-finite ``rewrite(grad)`` gradients of the padded
+    encoders in one process, finite ones on two workers. What that could depend on is run
+    between two computations of the same gradients, which must be finite and bit-equal: a
+    fresh ``rewrite`` of the same function (its caches keyed by ``id`` of objects freed and
+    reused after garbage collection), other rewrites traced and freed in between, and the
+    config flags another test may change (``jax_softmax_custom_jvp``,
+    ``jax_default_matmul_precision``), set for an unrelated program and restored."""
+    import gc
+
+    p = mm.init()
+
+    def loss(p):
+        return mm.loss(p, mm.TOKENS, mm.MASK, kind=kind, fill=-1e10)
+
+    def gradients():
+        return jax.jit(jr.rewrite(jax.value_and_grad(loss), dtype=F16))(p)
+
+    first = gradients()
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(first))
+    other = lambda x: jax.nn.softmax(x @ x.T)  # noqa: E731
+    for name, value in (
+        ("jax_softmax_custom_jvp", not jax.config.jax_softmax_custom_jvp),
+        ("jax_default_matmul_precision", "highest"),
+    ):
+        old = getattr(jax.config, name)
+        jax.config.update(name, value)
+        try:
+            jax.grad(lambda x: jr.rewrite(other, dtype=F16)(x).sum())(jnp.ones((4, 4)))
+        finally:
+            jax.config.update(name, old)
+    for _ in range(3):  # rewrites traced and freed: their ids are free for reuse
+        jr.rewrite(jax.value_and_grad(loss), dtype=BF16)(p)
+        gc.collect()
+    assert _bits(gradients()) == _bits(first)
+
+
 # -- issue 29 family 6: honest overflow -----------------------------------------------------------
 ONE = jnp.ones((1, 1))
 
