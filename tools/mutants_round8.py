@@ -1,0 +1,175 @@
+"""Round 8 of planted bugs: 16 realistic one-line bugs in the rules added this round
+(``git log -p 7f7ab3c..HEAD -- jmp_rewrite/``): float32 values handed into loops and
+``shard_map`` (``emit.Emitter._handed_in``, ``graph_records.sums_over_trips``,
+``higher_order.PER_TRIP``), gradients through moved fills (``tangents.Unsaturated.hand_on``,
+``hands_on``, ``HANDS_ON``), ``value_and_grad`` with Flax NNX objects (``nnx_support``,
+``loss_scale_state``), fused attention (grouped-query attention, the batch > 1 bias-gradient
+guard, 64-mod-128 padding, head dim 256 on Hopper), ``--tolerance`` validation and
+``Fp8NoneSelectedWarning``'s counts. Written by a helper who had read the library
+(``jmp_rewrite/``), ``docs/``, ``README.md``, ``tools/mutants.py`` and the format of
+``tools/mutants_round7.py`` (its header and a couple of entries), but NOT ``tests/`` nor the
+entries of ``tools/mutant_list.py`` nor ``runs/`` (independence record: this file as first
+committed, before any test was read; each mutant's ``tests`` guessed from the test files'
+names in ``ls tests/`` only). Scored in ``runs/mutants_round8.md`` (``--broad -j 2``).
+
+Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round8 --broad -j 2``.
+"""
+
+from __future__ import annotations
+
+from tools.mutant_list import Mutant, _m  # _m: the list's own builder (a file under _src)
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- float32 values handed into loops and shard_map ------------------------------------
+    _m(
+        "r8_handed_in_big_not_saturating",
+        "emit.py",
+        "            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)",
+        "            saturates = _clamped(rec, i) or jc.is_literal(a)",
+        ("tests/test_loop_cotangents.py", "tests/test_gradient_underflow.py"),
+        "a big float32 value (beyond the half range, pinned when cast) read by a loop is "
+        "handed in as float32 and cast inside by its readers, unpinned: the body's half "
+        "readers see inf where the cast outside pinned it",
+    ),
+    _m(
+        "r8_summing_kinds_no_shard_map",
+        "graph_records.py",
+        'SUMMING_KINDS = ("scan", "while", "shard_map")',
+        'SUMMING_KINDS = ("scan", "while")',
+        ("tests/test_loop_cotangents.py", "tests/multidevice_rewrite.py"),
+        "a float32 weight read in half inside shard_map is cast to half outside again: its "
+        "cotangent is summed over devices in half precision",
+    ),
+    _m(
+        "r8_per_trip_no_xs",
+        "higher_order.py",
+        'PER_TRIP = ("carry", "xs")',
+        'PER_TRIP = ("carry",)',
+        ("tests/test_loop_cotangents.py", "tests/test_state_in_loops.py"),
+        "a scan's float32 xs read in half are handed in as float32 and cast per trip inside "
+        "(a stacked float32 cotangent, twice the memory; the slice is cast after slicing)",
+    ),
+    # -- gradients through moved fills -----------------------------------------------------
+    _m(
+        "r8_hands_on_no_select_n",
+        "tangents.py",
+        '"concatenate", "pad", "select_n", "tile"}',
+        '"concatenate", "pad", "tile"}',
+        ("tests/test_mask_values.py", "tests/test_gradient_underflow.py"),
+        "a select_n choosing a saturated fill no longer stands for the select of its float32 "
+        "value: a derivative reading it (a later max/exp tangent) sees the pinned half fill",
+    ),
+    _m(
+        "r8_hand_on_any_operand_unsaturated",
+        "tangents.py",
+        "        if not saturated or all(s is None for s in saturated) or not hands_on(eqn):",
+        "        if not saturated or any(s is None for s in saturated) or not hands_on(eqn):",
+        ("tests/test_mask_values.py", "tests/test_gradient_underflow.py"),
+        "any for all: a concatenate or pad of a saturated fill and a computed value (one "
+        "operand unsaturated) hands on nothing, so its derivative reads the half fill",
+    ),
+    _m(
+        "r8_hand_on_other_operands_not_cast_back",
+        "tangents.py",
+        "            return cast(v, atom.aval.dtype) if is_float(jnp.result_type(v)) else v",
+        "            return v",
+        ("tests/test_mask_values.py", "tests/test_gradient_underflow.py"),
+        "the unsaturated operands of a concatenate/pad/select_n stay half while the "
+        "saturated one is float32: the float32 equation is bound on mixed dtypes",
+    ),
+    _m(
+        "r8_hands_on_call_any_move",
+        "tangents.py",
+        "and all(map(hands_on, layout.inner().eqns))",
+        "and any(map(hands_on, layout.inner().eqns))",
+        ("tests/test_mask_values.py", "tests/test_custom_derivatives.py"),
+        "any for all: a call holding one move and arithmetic (not only moves) hands on its "
+        "float32 value as if it were a move",
+    ),
+    # -- value_and_grad with NNX objects ---------------------------------------------------
+    _m(
+        "r8_nnx_argnum_zero_counted_from_end",
+        "nnx_support.py",
+        "        return a + n_args if isinstance(a, int) and a < 0 else a",
+        "        return a + n_args if isinstance(a, int) and a <= 0 else a",
+        ("tests/test_nnx_state.py", "tests/test_loss_scale.py"),
+        "off by one: argnums=0 counted from the end, so the keywords' dict (one more "
+        "positional argument) is differentiated instead of the first argument",
+    ),
+    _m(
+        "r8_nnx_keywords_not_looked_in",
+        "loss_scale_state.py",
+        "        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):",
+        "        if nnx_support.holds_graph_nodes(args) or _any_diff_state(argnums):",
+        ("tests/test_nnx_state.py", "tests/test_loss_scale.py"),
+        "an NNX module passed only as a keyword goes through jax.value_and_grad: what fun "
+        "sets on it (BatchNorm statistics, Rngs counts) is not written back",
+    ),
+    # -- fused attention -------------------------------------------------------------------
+    _m(
+        "r8_bias_guard_heads_not_learned",
+        "attention.py",
+        '            learned = any(lab in ("t", heads) for lab in b.dims if lab is not None)',
+        '            learned = any(lab == "t" for lab in b.dims if lab is not None)',
+        "tests/test_fused_attention.py",
+        "a bias over batch and heads (ALiBi-like, computed from float inputs) with batch > 1 "
+        "is fused: cuDNN's bias gradient is for batch 1 only",
+    ),
+    _m(
+        "r8_padding_without_mask",
+        "attention_emit.py",
+        "    if explicit and n % _TILE == _TILE // 2:",
+        "    if n % _TILE == _TILE // 2:",
+        ("tests/test_fused_attention.py", "tests/test_kernels.py"),
+        "missing condition: a length 64 mod 128 with neither mask nor bias is padded to a "
+        "multiple of 128 too (more work; a sequence-length mask where none was needed)",
+    ),
+    _m(
+        "r8_gqa_guard_tiled_heads",
+        "attention_emit.py",
+        "        mean = jnp.repeat(mean, core.group, axis=2)  # (B, 1, N, D)",
+        "        mean = jnp.tile(mean, (1, 1, core.group, 1))  # (B, 1, N, D)",
+        "tests/test_fused_attention.py",
+        "tile for repeat: a fully masked row of grouped-query attention (finite fill) gets "
+        "the mean values of another key/value head (the heads of a group sit next to each "
+        "other)",
+    ),
+    _m(
+        "r8_head_dim_256_not_on_hopper",
+        "attention_match.py",
+        "found[0] >= (9, 0) and found[1] >= (9, 5)",
+        "found[0] > (9, 0) and found[1] >= (9, 5)",
+        "tests/test_fused_attention.py",
+        "off by one: head dim 256 is fused above Hopper (compute capability 10.0) but not "
+        "on Hopper itself",
+    ),
+    _m(
+        "r8_gqa_keys_grouped",
+        "attention_match.py",
+        'rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t", grouped=s_side == 0)',
+        'rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t", grouped=s_side == 1)',
+        "tests/test_fused_attention.py",
+        "the group dim is allowed on the keys (the logits dot's second operand) rather than "
+        "the queries: keys with an extra free dim are taken for grouped-query attention and "
+        "grouped queries (queries second) are refused",
+    ),
+    # -- cli, fp8 --------------------------------------------------------------------------
+    _m(
+        "r8_tolerance_zero_accepted",
+        "cli.py",
+        "    if not (math.isfinite(value) and value > 0):",
+        "    if not (math.isfinite(value) and value >= 0):",
+        "tests/test_cli.py",
+        "off by one: --tolerance 0 is accepted (compare then fails later, not as a usage "
+        "error naming the value)",
+    ),
+    _m(
+        "r8_fp8_shape_count_distinct",
+        "fp8.py",
+        '        parts.insert(0, f"{len(shapes)} x {shapes[0]}{first}")',
+        '        parts.insert(0, f"{len(set(shapes))} x {shapes[0]}{first}")',
+        ("tests/test_fp8.py", "tests/test_fp8_boundaries.py"),
+        "Fp8NoneSelectedWarning counts the distinct shape reasons, not the matmuls left "
+        "bfloat16 for their shape (two matmuls of one odd shape read 1 x)",
+    ),
+)
