@@ -36,7 +36,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph_records.py",
         'SUMMING_KINDS = ("scan", "while", "shard_map")',
         'SUMMING_KINDS = ("scan", "while")',
-        ("tests/test_loop_cotangents.py", "tests/multidevice_rewrite.py"),
+        ("tests/test_loop_cotangents.py", "tests/test_rewrite.py"),
         "a float32 weight read in half inside shard_map is cast to half outside again: its "
         "cotangent is summed over devices in half precision",
     ),
