@@ -27,7 +27,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- float32 values handed into loops and shard_map ------------------------------------
     _m(
         "r8_handed_in_big_not_saturating",
-        "emit.py",
+        "emit/emitter.py",
         "            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)",
         "            saturates = _clamped(rec, i) or jc.is_literal(a)",
         ("tests/test_loop_cotangents.py", "tests/test_gradient_underflow.py"),
@@ -37,7 +37,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r8_summing_kinds_no_shard_map",
-        "graph_records.py",
+        "trace/graph_records.py",
         'SUMMING_KINDS = ("scan", "while", "shard_map")',
         'SUMMING_KINDS = ("scan", "while")',
         ("tests/test_loop_cotangents.py", "tests/test_rewrite.py"),
@@ -46,7 +46,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r8_per_trip_no_xs",
-        "higher_order.py",
+        "trace/higher_order.py",
         'PER_TRIP = ("carry", "xs")',
         'PER_TRIP = ("carry",)',
         ("tests/test_loop_cotangents.py", "tests/test_state_in_loops.py"),
@@ -57,7 +57,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[where_call-float16]
     _m(
         "r8_hands_on_no_select_n",
-        "tangents.py",
+        "emit/tangents.py",
         '"concatenate", "pad", "select_n", "tile"}',
         '"concatenate", "pad", "tile"}',
         "tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[where_call-float16]",
@@ -67,7 +67,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[dynamic_slice-float16]
     _m(
         "r8_hand_on_any_operand_unsaturated",
-        "tangents.py",
+        "emit/tangents.py",
         "        if not saturated or all(s is None for s in saturated) or not hands_on(eqn):",
         "        if not saturated or any(s is None for s in saturated) or not hands_on(eqn):",
         "tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[dynamic_slice-float16]",
@@ -77,7 +77,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[pad_by_zeros-float16]
     _m(
         "r8_hand_on_other_operands_not_cast_back",
-        "tangents.py",
+        "emit/tangents.py",
         "            return cast(v, atom.aval.dtype) if is_float(jnp.result_type(v)) else v",
         "            return v",
         "tests/test_mask_values.py::test_the_gradient_through_a_moved_fill_is_the_fills[pad_by_zeros-float16]",
@@ -86,7 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r8_hands_on_call_any_move",
-        "tangents.py",
+        "emit/tangents.py",
         "and all(map(hands_on, layout.inner().eqns))",
         "and any(map(hands_on, layout.inner().eqns))",
         ("tests/test_mask_values.py", "tests/test_custom_derivatives.py"),
@@ -106,7 +106,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r8_nnx_keywords_not_looked_in",
-        "loss_scale_state.py",
+        "loss_scale/state.py",
         "        if nnx_support.holds_graph_nodes((args, kwargs)) or _any_diff_state(argnums):",
         "        if nnx_support.holds_graph_nodes(args) or _any_diff_state(argnums):",
         ("tests/test_nnx_state.py", "tests/test_loss_scale.py"),
@@ -116,7 +116,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # -- fused attention -------------------------------------------------------------------
     _m(
         "r8_bias_guard_heads_not_learned",
-        "attention.py",
+        "attention/select.py",
         '            learned = any(lab in ("t", heads) for lab in b.dims if lab is not None)',
         '            learned = any(lab == "t" for lab in b.dims if lab is not None)',
         "tests/test_fused_attention.py",
@@ -126,7 +126,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_fused_attention.py::test_cudnn_lengths_64_mod_128_with_a_mask_are_padded_to_128[64-causal]
     _m(
         "r8_padding_without_mask",
-        "attention_emit.py",
+        "emit/attention.py",
         "    if explicit and n % _TILE == _TILE // 2:",
         "    if n % _TILE == _TILE // 2:",
         "tests/test_fused_attention.py::test_cudnn_lengths_64_mod_128_with_a_mask_are_padded_to_128[64-causal]",
@@ -135,7 +135,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "r8_gqa_guard_tiled_heads",
-        "attention_emit.py",
+        "emit/attention.py",
         "        mean = jnp.repeat(mean, core.group, axis=2)  # (B, 1, N, D)",
         "        mean = jnp.tile(mean, (1, 1, core.group, 1))  # (B, 1, N, D)",
         "tests/test_fused_attention.py",
@@ -146,7 +146,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_fused_attention.py::test_head_dims_up_to_256_on_hopper_with_cudnn_9_5[hopper-9.5]
     _m(
         "r8_head_dim_256_not_on_hopper",
-        "attention_match.py",
+        "attention/match.py",
         "found[0] >= (9, 0) and found[1] >= (9, 5)",
         "found[0] > (9, 0) and found[1] >= (9, 5)",
         "tests/test_fused_attention.py::test_head_dims_up_to_256_on_hopper_with_cudnn_9_5[hopper-9.5]",
@@ -156,7 +156,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_fused_attention.py::test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]
     _m(
         "r8_gqa_keys_grouped",
-        "attention_match.py",
+        "attention/match.py",
         'rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t", grouped=s_side == 0)',
         'rl = _operand_labels(rhs, rc[0], rb, "s" if s_side == 1 else "t", grouped=s_side == 1)',
         "tests/test_fused_attention.py::test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads[bf16]",
@@ -168,7 +168,7 @@ MUTANTS: tuple[Mutant, ...] = (
     # caught by tests/test_cli.py::test_compare_refuses_a_bad_tolerance[0]
     _m(
         "r8_tolerance_zero_accepted",
-        "cli.py",
+        "cli/main.py",
         "    if not (math.isfinite(value) and value > 0):",
         "    if not (math.isfinite(value) and value >= 0):",
         "tests/test_cli.py::test_compare_refuses_a_bad_tolerance[0]",
