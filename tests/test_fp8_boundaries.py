@@ -257,3 +257,57 @@ def test_rewrite_jaxpr_and_explain_say_it_too():
 
 def test_float8_under_shard_map_on_eight_devices():
     assert run_on_eight_devices("multidevice_fp8.py").strip().endswith("OK")
+
+
+def _lowered_dot_dtypes(fun, platform, *args) -> set[str]:
+    """The operand element types of the dots of ``fun`` lowered for ``platform`` (from this
+    CPU host: cross-platform lowering needs no plugin), read from the StableHLO text."""
+    text = jax.jit(fun).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    found = set()
+    for line in text.splitlines():
+        if "stablehlo.dot_general" in line or "stablehlo.convolution" in line:
+            found.update(t for t in ("f8E4M3FN", "f8E5M2", "bf16", "f32") if f"x{t}>" in line)
+    return found
+
+
+@pytest.mark.parametrize("order", ["rewrite_of_grad", "grad_of_rewrite"])
+def test_a_tpu_lowering_runs_the_selected_matmuls_in_bfloat16(order):
+    """XLA:TPU has no native float8 matmul on the generations it compiles here: the TPU
+    branch is the bfloat16 matmul; CUDA's is float8; the CPU's the exact emulation."""
+    ws, x = _inputs()
+
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    if order == "rewrite_of_grad":
+        fun = jr.rewrite(jax.grad(loss), dtype=BF16, fp8=True)
+    else:
+        fun = jax.grad(jr.rewrite(loss, dtype=BF16, fp8=True))
+    tpu = _lowered_dot_dtypes(fun, "tpu", ws, x)
+    cuda = _lowered_dot_dtypes(fun, "cuda", ws, x)
+    assert "f8E4M3FN" in cuda and "f8E5M2" in cuda
+    assert "bf16" in tpu and not {"f8E4M3FN", "f8E5M2"} & tpu
+    # The CPU runs the float8 rounding (emulated exactly), as before.
+    assert float8_casts(fun, ws, x) > 0
+    got = fun(ws, x)
+    want = jax.grad(loss)(ws, x)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=0.2, atol=2e-4)
+
+
+def test_on_a_tpu_the_warning_says_the_matmuls_run_bfloat16(monkeypatch):
+    """Where the default device is a TPU, fp8=True says once that its float8 matmuls run as
+    bfloat16 there (why_none names the platform and the count)."""
+    from jmp_rewrite._src import fp8 as fp8_lib
+
+    monkeypatch.setattr(fp8_lib, "_default_platform", lambda: "tpu")
+    ws, x = _inputs()
+    with pytest.warns(jr.Fp8NoneSelectedWarning) as record:
+        jr.rewrite(make_step(None), dtype=BF16, fp8=True)(ws, x)
+    (message,) = {str(r.message) for r in record}
+    assert "matmuls selected for float8, but on a TPU they run as bfloat16" in message
+    assert "v5e, v5p or v6e" in message

@@ -35,7 +35,10 @@ Triton fusions); the scales multiply the float32 result and fold into the GEMM. 
 (CPU: the presets do not lower there) the same quantized values are dequantized exactly to
 float32 and multiplied with float32 accumulation: the same rounding. The choice is made at
 lowering time by ``lax.platform_dependent``, so one rewritten function runs on CPU, compiles
-deviceless for an H100/H200 and runs on the card.
+deviceless for an H100/H200 and runs on the card. A TPU lowering takes a third branch: the
+matmul as the bfloat16 rewrite has it (:data:`TPU_REASON`: XLA:TPU compiles float8 GEMMs for
+v5e/v5p/v6e, slower and larger by its own cost model), and where the default device is a TPU
+the :class:`~jmp_rewrite.Fp8NoneSelectedWarning` says so.
 """
 
 from __future__ import annotations
@@ -410,9 +413,32 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
     return sel
 
 
+#: Why a TPU lowering keeps the selected matmuls bfloat16. XLA:TPU compiles a float8 GEMM for
+#: v5e, v5p and v6e (the generations compiled here), but XLA's own cost model puts those steps
+#: 1.08-1.17x slower than bfloat16 at 1.06-1.17x the peak memory (the float8 copies and their
+#: scales beside the bfloat16 ones): there float8 is an emulation at a loss, so the selection
+#: applies on CUDA (and in the CPU's exact emulation) only.
+TPU_REASON = (
+    "on a TPU they run as bfloat16: XLA:TPU has no native float8 matmul on v5e, v5p or v6e "
+    "(compiled, float8 costs time and memory there)"
+)
+
+
+def _default_platform() -> str:
+    try:
+        return jax.devices()[0].platform
+    except RuntimeError:  # pragma: no cover - no backend at all
+        return "cpu"
+
+
 def why_none(selection: Fp8Selection | None) -> str:
     """Why a float8 choice runs no matmul in float8 (a sentence), or ``""`` when it runs
-    one; ``selection`` None: the program has no half-precision matmul (nothing painted)."""
+    one; ``selection`` None: the program has no half-precision matmul (nothing painted).
+    On a machine whose default device is a TPU, the selected matmuls run bfloat16 there
+    (:data:`TPU_REASON`)."""
+    if selection is not None and selection.dots and _default_platform() == "tpu":
+        n = len(selection.dots)
+        return f"{n} matmul{'s' * (n > 1)} selected for float8, but {TPU_REASON}"
     if selection is not None and selection.dots:
         return ""
     if selection is None or not selection.left:
@@ -570,13 +596,31 @@ def _fp8_dot_bwd(dims, out_dtype, formats, fast_accum, res, g):
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+def _bfloat16_dot(eqn: Any, a: Any, b: Any, out_dtype: Any) -> Any:
+    """The painted ``dot_general`` as the bfloat16 rewrite emits it: bfloat16 operands, its
+    own precision, the result in ``out_dtype`` (XLA accumulates in float32)."""
+    params = dict(eqn.params)
+    params["preferred_element_type"] = np.dtype(out_dtype)
+    half = [x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in (a, b)]
+    return eqn.primitive.bind(*half, **params)
+
+
 def emit(eqn: Any, invals: list[Any], choice: Fp8Dot, out_dtype: Any) -> list[Any]:
     """The float8 form of a painted ``dot_general`` (its operands as they are in the
-    rewritten program: a float32 parameter, a bfloat16 activation)."""
+    rewritten program: a float32 parameter, a bfloat16 activation); on a TPU lowering the
+    bfloat16 one (:data:`TPU_REASON`)."""
     a, b = invals
     dims = eqn.params["dimension_numbers"]
     dims = tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)
-    return [fp8_dot(a, b, dims, np.dtype(out_dtype), choice.formats, choice.fast_accum)]
+    out_dtype = np.dtype(out_dtype)
+
+    def float8(a, b):
+        return fp8_dot(a, b, dims, out_dtype, choice.formats, choice.fast_accum)
+
+    def tpu(a, b):
+        return _bfloat16_dot(eqn, a, b, out_dtype)
+
+    return [lax.platform_dependent(a, b, tpu=tpu, default=float8)]
 
 
 def _short(dtype: Any) -> str:
