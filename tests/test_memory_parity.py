@@ -296,8 +296,15 @@ def test_finiteness_check_per_platform():
 
     cuda = jax.jit(f).trace(leaves).lower(lowering_platforms=("cuda",)).as_text()
     cpu = jax.jit(f).trace(leaves).lower(lowering_platforms=("cpu",)).as_text()
+    tpu = jax.jit(f).trace(leaves).lower(lowering_platforms=("tpu",)).as_text()
     assert "dot_general" not in cuda and "tensor<17xf32>" in cuda
     assert "dot_general" in cpu
+    # A TPU slice's gradients are sharded over its chips (and a deviceless compile sees one
+    # host device): no concatenation, which would gather every gradient onto every chip.
+    joins = [line for line in tpu.splitlines() if "concatenate" in line]
+    assert joins and not [line for line in joins if "f32>" in line]  # only the flags, i1
+    assert "dot_general" not in tpu and "tensor<17xf32>" not in tpu
+    assert "tensor<4x3xi1>" in tpu and "tensor<5xi1>" in tpu  # one reduction per leaf
     assert int(f(leaves)) == 0
     leaves[1] = leaves[1].at[2].set(jnp.inf)
     assert int(f(leaves)) == 1 and int(jax.jit(f)(leaves)) == 1

@@ -159,7 +159,7 @@ def any_non_finite(
     :func:`any_non_finite_fused` when ``whole_leaves`` -- the leaves are whole arrays, on one
     device or per device inside ``shard_map``/``pmap`` -- and one reduction per leaf
     otherwise: concatenating arrays sharded differently over several devices would gather
-    them.
+    them. A TPU lowering always reduces per leaf (its slice's sharding is not known here).
     """
     if not any(is_inexact(g) for g in leaves):
         return jnp.zeros([], jnp.int32)
@@ -176,7 +176,13 @@ def any_non_finite(
 
     cpu_method = "dot" if scale_at_least_one else "elementwise"
     default = fused if whole_leaves else lambda: per_leaf("elementwise")
-    return jax.lax.platform_dependent(cpu=lambda: per_leaf(cpu_method), default=default)
+    # A TPU program is compiled for a slice, most often several chips, and is often compiled
+    # from a host that is not one (a deviceless compile sees one CPU device): concatenating
+    # leaves sharded over the slice would gather every gradient onto every chip. XLA:TPU runs
+    # the whole step as one program, so one reduction per leaf costs no kernel launches.
+    return jax.lax.platform_dependent(
+        cpu=lambda: per_leaf(cpu_method), tpu=lambda: per_leaf("elementwise"), default=default
+    )
 
 
 def _leaf_flags(
