@@ -167,6 +167,8 @@ def test_each_dtype_is_painted_once_and_equal_dtypes_share_a_branch(monkeypatch)
 
     monkeypatch.setattr(rewrite_lib, "analyse", counting)
     fn = jr.rewrite(model)
+    np.testing.assert_array_equal(fn(*ARGS), model(*ARGS))
+    assert configs == [None]  # an eager call on the CPU paints nothing
     for wrap in (jax.jit, jax.jit, lambda f: f):  # two traces of the caller, then eager
         wrap(fn)(*ARGS)
     assert sorted(map(str, configs)) == ["None", "bfloat16", "float16"]  # once each
@@ -179,6 +181,17 @@ def test_each_dtype_is_painted_once_and_equal_dtypes_share_a_branch(monkeypatch)
     index = prims(jax.make_jaxpr(fp8)(*ARGS), "platform_index")
     assert index[0].params["platforms"] == (("tpu", "cuda"), None)
     assert sorted(map(str, configs)) == ["None", "bfloat16"]
+
+
+def test_a_call_on_concrete_arrays_under_jit_still_lowers_per_platform():
+    """Concrete arguments look like an eager call (each branch painted when called), but a
+    ``jax.jit`` around the call stages every branch: each lowering still gets its own."""
+    fn = jr.rewrite(model)
+    traced = jax.jit(lambda: fn(*ARGS)).trace()
+    for platform in ("tpu", "cuda", "cpu"):
+        types = _matmul_types(traced.lower(lowering_platforms=(platform,)).as_text())
+        assert set(types["dot_general"]) == {SHORT[WANT[platform]]}, platform
+    np.testing.assert_array_equal(jax.jit(lambda: fn(*ARGS))(), jax.jit(lambda: model(*ARGS))())
 
 
 def test_float8_under_dtype_none_lowers_for_cuda_in_bfloat16_and_float8():

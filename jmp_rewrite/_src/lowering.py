@@ -11,14 +11,15 @@ program, ``cuda`` the float16 one (TF's compute-capability rule, see
 :func:`~jmp_rewrite._src.settings.cuda_choice`), every other platform the function unchanged
 (float32). A lowering for one platform compiles its branch alone; a multi-platform export
 keeps each, chosen when the module is compiled; an eager call runs only the branch of the
-default device (``platform_dependent`` resolves it before tracing any other).
+default device (``platform_dependent`` resolves it before calling any other).
 
 Cost: ``f`` is traced once, for every platform. Its jaxpr is painted once per distinct
 configuration (two paintings: bfloat16 and float16; one when float8 makes both bfloat16), the
-first time the program is emitted, and cached with the trace. Each emission (each trace of
-the caller, as for a rewrite with a dtype) emits every painted program once. Platforms whose
-configuration is the same share one branch, a painting that changes nothing shares the
-unchanged branch, and a program no platform changes is emitted as it is, with no
+first time the program is emitted under a trace, and cached with the trace; an eager call
+paints only the configuration it runs (none on a CPU). Each emission under a trace (each
+trace of the caller, as for a rewrite with a dtype) emits every painted program once.
+Platforms whose configuration is the same share one branch, a painting that changes nothing
+shares the unchanged branch, and a program no platform changes is emitted as it is, with no
 ``platform_dependent`` at all.
 """
 
@@ -28,6 +29,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import jax
 from jax import lax
 
 from jmp_rewrite._src.settings import RewriteConfig, Settings, resolve_config
@@ -91,6 +93,7 @@ class PerPlatform:
         self._make = make
         self._programs: dict[RewriteConfig | None, Program] = {}
         self._branches: dict[int, Callable[..., list[Any]]] = {}
+        self._lazies: dict[RewriteConfig, Callable[..., list[Any]]] = {}
 
     def program(self, config: RewriteConfig | None) -> Program:
         """The program painted with ``config`` (cached)."""
@@ -109,12 +112,30 @@ class PerPlatform:
             self._branches[key] = lambda *flat: program.emit(flat)
         return self._branches[key]
 
+    def _lazy(self, config: RewriteConfig) -> Callable[..., list[Any]]:
+        """A branch that paints ``config`` only when it is called (one per config)."""
+        if config not in self._lazies:
+            self._lazies[config] = lambda *flat: self.program(config).emit(flat)
+        return self._lazies[config]
+
     def emit(self, flat_args: Sequence[Any]) -> list[Any]:
-        """The program for the platform it is lowered for, on ``flat_args``."""
+        """The program for the platform it is lowered for, on ``flat_args``.
+
+        Concrete arguments are (most likely) an eager call, where ``platform_dependent``
+        calls one branch: a configuration not painted yet is painted only if its branch is
+        the one called. Under a trace every branch is traced: each is painted first, so that
+        one whose painting changes nothing is the unchanged branch.
+        """
+        eager = not any(isinstance(a, jax.core.Tracer) for a in flat_args)
         unchanged = self.program(None)
         per_platform = {}
         for platform, config in self.configs.branches:
-            program = self.program(config) if config is not None else unchanged
+            if config is None:
+                continue
+            if eager and config not in self._programs:
+                per_platform[platform] = self._lazy(config)
+                continue
+            program = self.program(config)
             if program.changed:
                 per_platform[platform] = self._branch(program)
         if not per_platform:

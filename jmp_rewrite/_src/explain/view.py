@@ -369,14 +369,14 @@ def lint(report: ReportData) -> Findings:
         )
     chains.sort(key=lambda f: shape_lib.descending(f.bytes))
     return Findings(
-        _off_here(report)
-        + _gradient_underflow(report)
+        _gradient_underflow(report)
         + _half_carries(report)
         + findings
         + _float8_none(report)
         + _float8_shapes(report)
         + _unfused_attention(report)
         + chains
+        + _off_here(report)  # an off report has no other finding
     )
 
 
