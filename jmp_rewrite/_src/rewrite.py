@@ -401,11 +401,13 @@ def rewrite(
       fun: the function to rewrite (any JAX-traceable callable: a loss, a model apply, a
         whole jitted train step).
       dtype: ``jnp.float16`` or ``jnp.bfloat16`` forces the rewrite on any platform; None
-        picks by platform like TF: float16 on CUDA GPUs of compute capability >= 7.0,
-        bfloat16 on TPUs, no rewrite elsewhere (CPU) -- unless
-        :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` gives a dtype. When no
-        dtype results, the function runs unchanged and a :class:`RewriteOffWarning` says
-        so once, with the reason.
+        picks by platform like TF, where the program is lowered (``lax.platform_dependent``:
+        a step traced on a CPU host and lowered for a TPU is rewritten): bfloat16 for TPUs,
+        float16 for CUDA GPUs of compute capability >= 7.0 (this machine's GPUs decide;
+        without one, a deviceless compile, such a GPU is assumed), no rewrite elsewhere
+        (CPU) -- unless :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` gives a
+        dtype. Where this machine's default device runs the function unchanged, a
+        :class:`RewriteOffWarning` says so once, with the reason.
       lists: a :class:`jmp_rewrite.OpLists`; default: the TF 2.21 lists for ``dtype`` with
         the environment overrides applied (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``
         variables or their ``JMP_REWRITE_*`` aliases).
@@ -419,7 +421,8 @@ def rewrite(
       fp8: True (or a :class:`jmp_rewrite.Fp8Rules`) runs the weight GEMMs of the
         program's blocks in float8 (forward e4m3 x e4m3, gradients with the cotangent in
         e5m2, per-tensor current scaling, float32 accumulation, bfloat16 result), the rest
-        as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
+        as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16`` (or None: TPU
+        and CUDA lowerings then both run bfloat16). On CUDA the
         cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding). When it runs no
         matmul in float8, a :class:`jmp_rewrite.Fp8NoneSelectedWarning` says why, once.
       fuse_attention: True replaces each attention -- ``softmax(scale * q k^T + bias,

@@ -355,7 +355,7 @@ def explain(
       dtype: ``jnp.float16`` or ``jnp.bfloat16``; None decides as :func:`jmp_rewrite.rewrite`
         does (the rewrite's own dtype, else the seed API's, else where the program is
         lowered: the report shows this machine's default device's program -- none on a
-        CPU, where it says the rewrite is off here and why -- and :attr:`Report.lowered`
+        CPU, where it says the rewrite is off here and why -- and ``Report.lowered``
         what a TPU or CUDA lowering runs; pass that dtype to see its painting).
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`jmp_rewrite.rewrite`.
