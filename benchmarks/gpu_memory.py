@@ -41,8 +41,8 @@ convolutions of the optimised HLO with a float8 operand (fused or not) and
 ``float8_upcasts`` the converts from float8 to a wider type: float8 GEMMs kept by XLA:TPU
 show in the former, emulated ones in the latter. The TPU default is ``f32``, ``rw-bf16``,
 ``hand-bf16``, ``rw-fp8`` and ``rw-bf16-fused`` (float16 is no TPU type). The steps are
-rewritten with ``dtype=jnp.bfloat16`` given explicitly: ``dtype=None`` chooses for
-``jax.devices()[0]``, the CPU host here, and would rewrite nothing.
+rewritten with ``dtype=jnp.bfloat16`` given explicitly, so that every target compiles the same
+program (``dtype=None`` decides where the program is lowered: bfloat16 for a TPU here too).
 
 ``--baseline RUN.json`` prints an earlier run beside this one and takes from it the variants
 not compiled now: after a painting change, ``--variants rw-bf16 rw-f16 rw-f16-lso`` recompiles

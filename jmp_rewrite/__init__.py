@@ -8,6 +8,7 @@ Public names only; the implementation lives in ``jmp_rewrite._src``, which is pr
 __version__ = "0.1.0"
 
 from jmp_rewrite._src.emit.facts import EquationPaint as EquationPaint
+from jmp_rewrite._src.emit.facts import PaintResult as PaintResult
 from jmp_rewrite._src.explain.build import CastReport as CastReport
 from jmp_rewrite._src.explain.build import EquationReport as EquationReport
 from jmp_rewrite._src.explain.build import Report as Report
@@ -18,7 +19,6 @@ from jmp_rewrite._src.lists.op_lists import LEVELS as LEVELS
 from jmp_rewrite._src.lists.op_lists import OpLists as OpLists
 from jmp_rewrite._src.lists.op_lists import default_lists as default_lists
 from jmp_rewrite._src.lists.op_lists import known_op_keys as known_op_keys
-from jmp_rewrite._src.rewrite import PaintResult as PaintResult
 from jmp_rewrite._src.rewrite import paint_program as paint
 from jmp_rewrite._src.rewrite import rewrite as rewrite
 from jmp_rewrite._src.rewrite import rewrite_jaxpr as rewrite_jaxpr

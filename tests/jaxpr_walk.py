@@ -63,6 +63,40 @@ def emitted(fun: Any, *args: Any, **kwargs: Any) -> Any:
     return jax.make_jaxpr(fun)(*args, **kwargs)
 
 
+def _platform_branch(eqn: Any, platform: str) -> Any | None:
+    """The branch a ``lax.platform_dependent`` cond lowers for ``platform`` (None: not one)."""
+    chosen = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if chosen is None:
+        return None
+    index = next((i for i, ps in enumerate(chosen) if ps and platform in ps), None)
+    if index is None:
+        index = next((i for i, ps in enumerate(chosen) if ps is None), None)
+    assert index is not None, f"{platform} has no branch in {chosen}"
+    return eqn.params["branches"][index].jaxpr
+
+
+def lowered_eqns(jaxpr: Any, platform: str) -> Iterator[Any]:
+    """:func:`all_eqns` of ``jaxpr`` as it is lowered for ``platform``: of each
+    ``lax.platform_dependent`` (a ``cond`` over a ``platform_index``), the platform's branch
+    alone, as the lowering keeps it (``dtype=None``, float8, fused attention)."""
+    jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
+    for eqn in jaxpr.eqns:
+        branch = _platform_branch(eqn, platform)
+        if branch is not None:
+            yield from lowered_eqns(branch, platform)
+            continue
+        if eqn.primitive.name == "platform_index":
+            continue
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from lowered_eqns(sub, platform)
+
+
+def lowered_prims(jaxpr: Any, name: str, platform: str) -> list[Any]:
+    """:func:`prims` of ``jaxpr`` as lowered for ``platform`` (see :func:`lowered_eqns`)."""
+    return [e for e in lowered_eqns(jaxpr, platform) if e.primitive.name == name]
+
+
 def compiled_loop_bodies(fun: Any, *args: Any) -> str:
     """The optimised HLO that XLA runs on every trip of ``jit(fun)``'s loops: each
     ``while``'s body and condition and every computation they call (fusions, nested loops).

@@ -1,11 +1,13 @@
 """Run by test_rewrite.py in a subprocess with 8 CPU devices (XLA_FLAGS set before import)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxpr_walk import prims, runs_in_half
+from jaxpr_walk import lowered_prims, prims, runs_in_half
 
 import jmp_rewrite as jr
 
@@ -104,4 +106,21 @@ for dtype, tol in ((jnp.float16, 2e-2), (jnp.bfloat16, 1e-1)):
         got = plain(ex)
         assert got.sharding.is_equivalent_to(es, 2), got.sharding
         np.testing.assert_allclose(got, jnp.tanh(x @ w) @ w, rtol=tol, atol=tol)
+
+# dtype=None (issue 37.3): inside and outside shard_map, under the explicit mesh, each
+# lowering platform gets its program; this CPU runs the function unchanged.
+warnings.simplefilter("ignore", jr.RewriteOffWarning)
+want = np.asarray(jax.jit(reference)(ex, w))
+inside = jax.shard_map(jr.rewrite(body), mesh=emesh, in_specs=(P("d"), P()), out_specs=P("d"))
+with jax.set_mesh(emesh):
+    outside = jr.rewrite(jax.shard_map(body, in_specs=(P("d"), P()), out_specs=P("d")))
+    for fn in (inside, outside):
+        got = jax.jit(fn)(ex, w)
+        assert got.sharding.is_equivalent_to(es, 2), got.sharding
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        j = jax.make_jaxpr(fn)(ex, w)
+        for platform, half in (("tpu", jnp.bfloat16), ("cuda", jnp.float16), ("cpu", None)):
+            dots = lowered_prims(j, "dot_general", platform)
+            dtypes = {a.aval.dtype for e in dots for a in e.invars}
+            assert dots and dtypes == {np.dtype(half or jnp.float32)}, (platform, dtypes)
 print("OK")

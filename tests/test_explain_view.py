@@ -323,11 +323,17 @@ def test_lint_tensor_core_shapes_and_power_deny_chain():
     assert chain.bytes == sum(explain_view.produced_bytes(r.equations[i])[0] for i in released)
 
 
-def test_lint_is_quiet_on_aligned_float32_safe_programs():
-    r = jr.explain(lambda w, x: jnp.tanh(x @ w), jnp.ones((64, 128)), jnp.ones((16, 64)))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_lint_is_quiet_on_aligned_float32_safe_programs(dtype):
+    # A dtype is given: with dtype=None this CPU runs the program unchanged, and lint says
+    # to lint what a TPU or CUDA lowering runs (off_here, issue 37.3).
+    args = (jnp.ones((64, 128)), jnp.ones((16, 64)))
+    r = jr.explain(lambda w, x: jnp.tanh(x @ w), *args, dtype=dtype)
     assert r.lint() == []
     assert "nothing to change" in r.format()
     assert str(r.lint()) == "no findings: nothing to change"
+    off = jr.explain(lambda w, x: jnp.tanh(x @ w), *args)
+    assert [f.kind for f in off.lint()] == ["off_here"]
 
 
 def test_printed_lint_findings_read_as_text_not_as_dataclass_reprs():

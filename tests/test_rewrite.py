@@ -12,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jaxpr_walk import all_eqns, casts, emitted, prims, runs_in_half, scopes
+from jaxpr_walk import (
+    all_eqns,
+    casts,
+    emitted,
+    lowered_eqns,
+    lowered_prims,
+    prims,
+    runs_in_half,
+    scopes,
+)
 from multidevice import run_on_eight_devices
 
 import jmp_rewrite as jr
@@ -59,13 +68,28 @@ def test_decorator_forms_agree():
     assert a.__name__ == "mlp"
 
 
+def _lowered_signature(jaxpr, platform):
+    return [
+        (e.primitive.name, tuple(str(v.aval) for v in [*e.invars, *e.outvars]))
+        for e in lowered_eqns(jaxpr, platform)
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::jmp_rewrite.RewriteOffWarning")
 def test_bare_decorator_is_platform_default_and_cpu_is_unchanged():
+    """dtype=None decides where the program is lowered (issue 37.3): the jaxpr carries each
+    platform's program, and the one a CPU lowers is the function's own, bit for bit."""
+
     @jr.rewrite
     def f(params, x):
         return mlp(params, x)
 
     assert jr.platform_dtype() is None  # tests run on CPU
-    assert str(jax.make_jaxpr(f)(PARAMS, X)) == str(jax.make_jaxpr(mlp)(PARAMS, X))
+    rewritten, plain = jax.make_jaxpr(f)(PARAMS, X), jax.make_jaxpr(mlp)(PARAMS, X)
+    assert _lowered_signature(rewritten, "cpu") == _lowered_signature(plain, "cpu")
+    assert all(runs_in_half(e) for e in lowered_prims(rewritten, "dot_general", "tpu"))
+    np.testing.assert_array_equal(f(PARAMS, X), mlp(PARAMS, X))
+    np.testing.assert_array_equal(jax.jit(f)(PARAMS, X), jax.jit(mlp)(PARAMS, X))
 
 
 @pytest.mark.parametrize("bad", [jnp.float32, jnp.float64, jnp.int8, "fp8", 3])

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jaxpr_walk import prims
+from jaxpr_walk import lowered_prims, prims
 
 import jmp_rewrite
 from jmp_rewrite._src import settings
@@ -336,8 +336,10 @@ def test_platform_choice_by_compute_capability(device, dtype, why):
 @pytest.mark.parametrize("device, dtype, why", DEVICES)
 def test_dtype_none_follows_the_default_device(device, dtype, why, monkeypatch):
     """``rewrite(f)`` and ``explain(f)`` with ``dtype=None`` on a machine whose first device
-    is ``device`` (``jax.devices`` faked): float16 from compute capability 7.0, off below
-    it with the reason, bfloat16 on a TPU."""
+    is ``device`` (``jax.devices`` faked): explain and the warning speak of that device
+    (float16 from compute capability 7.0, off below it with the reason, bfloat16 on a TPU);
+    the program decides where it is lowered (issue 37.3): bfloat16 for a TPU, for CUDA this
+    machine's GPU's rule (float16 when it has none: a deviceless compile), float32 else."""
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
     f = _with_precision(None)
     report = jmp_rewrite.explain(f, X, W1, W2, residuals=False)
@@ -347,9 +349,11 @@ def test_dtype_none_follows_the_default_device(device, dtype, why, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         emitted = jax.make_jaxpr(rewritten)(X, W1, W2)
-    dots = prims(emitted, "dot_general")
-    want = np.dtype(F32) if dtype is None else np.dtype(dtype)
-    assert {a.aval.dtype for e in dots for a in e.invars} == {want}
+    on_gpu = device.platform in ("gpu", "cuda")
+    cuda = (dtype or F32) if on_gpu else F16
+    for platform, want in (("tpu", BF16), ("cuda", cuda), ("cpu", F32), ("rocm", F32)):
+        dots = lowered_prims(emitted, "dot_general", platform)
+        assert {a.aval.dtype for e in dots for a in e.invars} == {np.dtype(want)}, platform
     off = [w for w in caught if issubclass(w.category, jmp_rewrite.RewriteOffWarning)]
     assert len(off) == (dtype is None)
     if off:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jaxpr_walk import emitted, prims, runs_in_half
+from jaxpr_walk import emitted, lowered_prims, prims, runs_in_half
 
 import jmp_rewrite as jr
 
@@ -31,10 +31,11 @@ def pinned(w, x):
     return x @ w
 
 
-def _dot_dtypes(fun):
+def _dot_dtypes(fun, platform="cpu"):
+    """The matmuls' dtypes as ``fun`` is lowered for ``platform`` (dtype=None decides there)."""
     # a fresh lambda each time: jax.make_jaxpr caches traces per function object
     j = emitted(lambda w, x: fun(w, x), W, X)
-    return [str(d.invars[0].aval.dtype) for d in prims(j, "dot_general")]
+    return [str(d.invars[0].aval.dtype) for d in lowered_prims(j, "dot_general", platform)]
 
 
 def test_enable_returns_a_loss_scale_optimizer_and_switches_the_rewrite_on():
@@ -52,8 +53,12 @@ def test_enable_returns_a_loss_scale_optimizer_and_switches_the_rewrite_on():
 
 
 def test_enable_without_dtype_follows_the_platform():
+    """Without a dtype the switch picks where the program is lowered, as dtype=None does."""
     jr.enable_mixed_precision_graph_rewrite(optax.sgd(0.1))
     assert _dot_dtypes(layer) == ["float32", "float32"]  # CPU: no fast half precision
+    assert _dot_dtypes(layer, "tpu") == ["bfloat16", "bfloat16"]
+    assert _dot_dtypes(layer, "cuda") == ["float16", "float16"]
+    assert _dot_dtypes(pinned, "cuda") == ["bfloat16"]  # a pinned dtype wins everywhere
 
 
 def test_fixed_loss_scale_and_options_pass_through():

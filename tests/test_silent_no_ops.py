@@ -27,13 +27,19 @@ def fresh_unscaled_warning(monkeypatch):
 
 
 def test_rewrite_off_on_cpu_says_so_once_with_the_reason():
+    """dtype=None decides where the program is lowered (issue 37.3): on this CPU the
+    function runs unchanged, and the warning says so and what a TPU or GPU lowering runs."""
     fn = jr.rewrite(layer)
     with pytest.warns(jr.RewriteOffWarning) as record:
         fn(W, X)
     assert len(record) == 1
     message = str(record[0].message)
-    assert message.startswith("rewrite(layer) runs unchanged: dtype=None picks")
+    assert message.startswith(
+        "rewrite(layer) runs unchanged here: dtype=None picks the half dtype where the "
+        "program is lowered"
+    )
     assert "default device is a cpu" in message and "dtype=jnp.float16" in message
+    assert "lowered for tpu it runs in bfloat16, for cuda in float16" in message
     assert record[0].filename == __file__  # points at the caller
     with warnings.catch_warnings():
         warnings.simplefilter("error")

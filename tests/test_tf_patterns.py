@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxpr_walk import compiled_loop_bodies
+from jaxpr_walk import compiled_loop_bodies, lowered_eqns
 
 import jmp_rewrite
 
@@ -574,9 +574,15 @@ def test_m5_infer_follows_upstream_deny():
 def test_s1_no_gpu_no_rewrite():
     # SimulateGpu.Simple_NoGpu: without a suitable GPU nothing changes. dtype=None picks the
     # platform's dtype like TF, and a CPU has none. (An explicit dtype is TF's SIMULATE_GPU.)
+    # The CPU's program: dtype=None decides where the program is lowered (issue 37.3).
     assert jmp_rewrite.platform_dtype() is None
-    rewritten = jax.make_jaxpr(jmp_rewrite.rewrite(_t3))(X)
-    assert signature(rewritten) == signature(jax.make_jaxpr(_t3)(X))
+    with pytest.warns(jmp_rewrite.RewriteOffWarning, match="default device is a cpu"):
+        rewritten = jax.make_jaxpr(jmp_rewrite.rewrite(_t3))(X)
+    cpu = [
+        (e.primitive.name, tuple(str(v.aval.dtype) for v in [*e.invars, *e.outvars]))
+        for e in lowered_eqns(rewritten, "cpu")
+    ]
+    assert cpu == signature(jax.make_jaxpr(_t3)(X))
     assert table(paint(_t3, X)) == _T3_ROWS
 
 

@@ -4,7 +4,8 @@
 it with TF's passes and re-emits it under the caller's trace, casting float32 values to half
 precision where painted. The traced jaxpr and its painting are cached per signature, so
 repeated calls do not re-trace or re-paint; ``jax.jit`` around the result caches compilation
-as usual.
+as usual. Without a dtype, the program is painted once per lowering platform's dtype and
+emitted as the branches of ``lax.platform_dependent`` (see ``lowering.py``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
-import numpy as np
 from jax.typing import DTypeLike
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src import fp8 as fp8_lib
-from jmp_rewrite._src import nnx_support
+from jmp_rewrite._src import lowering, nnx_support
 from jmp_rewrite._src.emit.emitter import Emitter
-from jmp_rewrite._src.emit.facts import EquationPaint, equation_facts
+from jmp_rewrite._src.emit.facts import PaintResult, paint_result
 from jmp_rewrite._src.lists.op_lists import OpLists
 from jmp_rewrite._src.paint.painting import Painting
 from jmp_rewrite._src.paint.passes import paint
@@ -50,7 +50,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclasses.dataclass
 class Rewritten:
-    """A traced, painted program ready to be emitted."""
+    """A traced, painted program ready to be emitted.
+
+    With ``dtype=None`` it is one traced program painted per lowering platform:
+    ``per_platform`` holds the paintings (``graph``, ``painting`` and ``config`` are None).
+    """
 
     closed: Any
     graph: Graph | None
@@ -58,9 +62,23 @@ class Rewritten:
     config: RewriteConfig | None
     out_tree: Any
     trace_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    per_platform: lowering.PerPlatform | None = None
+
+    @property
+    def changed(self) -> bool:
+        """Whether the painting changes anything (one program's)."""
+        return self.painting is not None and self.painting.changed
+
+    def programs(self) -> list[Rewritten]:
+        """The painted programs: this one, or each lowering platform's painted so far."""
+        if self.per_platform is None:
+            return [self]
+        return self.per_platform.programs()  # type: ignore[return-value]
 
     def emit(self, flat_args: Sequence[Any]) -> list[Any]:
-        if self.painting is None or not self.painting.changed:
+        if self.per_platform is not None:
+            return self.per_platform.emit(flat_args)
+        if not self.changed:
             return jc.eval_jaxpr(self.closed, *flat_args)
         emitter = Emitter(
             self.graph, self.painting, self.config.dtype, self.config.options, self.trace_cache
@@ -142,7 +160,9 @@ class _RewrittenFunction:
     def _name(self) -> str:
         return getattr(self.fun, "__name__", type(self.fun).__name__)
 
-    def config(self) -> RewriteConfig | None:
+    def config(self) -> RewriteConfig | lowering.PlatformConfigs | None:
+        """The painting configuration now: one, or with ``dtype=None`` each lowering
+        platform's (warns once when the default device runs the function unchanged)."""
         s = effective_settings(
             self.dtype,
             self.lists,
@@ -153,11 +173,14 @@ class _RewrittenFunction:
         )
         if s.dtype is None and s.off_reason not in self._said_off:
             self._said_off.add(s.off_reason)
+            here = " here" if s.lowered else ""
             warnings.warn(
-                f"rewrite({self._name}) runs unchanged: {s.off_reason}",
+                f"rewrite({self._name}) runs unchanged{here}: {s.off_reason}",
                 RewriteOffWarning,
                 stacklevel=_user_stacklevel(),
             )
+        if s.lowered:
+            return lowering.platform_configs(s)
         return resolve_config(
             s.dtype, s.lists, s.level, s.infer_follows_allow, s.fp8, s.fuse_attention
         )
@@ -190,7 +213,7 @@ class _RewrittenFunction:
         entry, call = self._lookup(args, kwargs)
         return entry.rewritten, call.dynamic
 
-    def _trace(self, call: arguments.Call, config: RewriteConfig | None) -> _Entry:
+    def _trace(self, call: arguments.Call, config: Any) -> _Entry:
         key, name = call.key, self._name
         graphdef = key.graphdef
         outputs: list[arguments.Outputs] = []
@@ -205,8 +228,16 @@ class _RewrittenFunction:
 
         avals = arguments.trace_avals(call.dynamic)
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
-        graph, painting = analyse(closed, config)
-        rewritten = Rewritten(closed, graph, painting, config, jax.tree.structure(out_shape))
+        out_tree = jax.tree.structure(out_shape)
+        if isinstance(config, lowering.PlatformConfigs):  # painted per platform, when emitted
+
+            def program(cfg: RewriteConfig | None) -> Rewritten:
+                return Rewritten(closed, *analyse(closed, cfg), cfg, out_tree)
+
+            per_platform = lowering.PerPlatform(config, program)
+            rewritten = Rewritten(closed, None, None, None, out_tree, per_platform=per_platform)
+        else:
+            rewritten = Rewritten(closed, *analyse(closed, config), config, out_tree)
         return _Entry(rewritten, outputs[-1])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -214,11 +245,13 @@ class _RewrittenFunction:
         if calls is not None:
             calls.append(self)
         entry, call = self._lookup(args, kwargs)
-        why = no_fp8_reason(entry.rewritten.painting, entry.rewritten.config)
-        if why and why not in self._said_off:
-            self._said_off.add(why)
-            _warn_no_fp8(f"rewrite({self._name})", why)
-        out, state = entry.outputs.unflatten(entry.rewritten.emit(call.dynamic))
+        flat_out = entry.rewritten.emit(call.dynamic)
+        for program in entry.rewritten.programs():
+            why = no_fp8_reason(program.painting, program.config)
+            if why and why not in self._said_off:
+                self._said_off.add(why)
+                _warn_no_fp8(f"rewrite({self._name})", why)
+        out, state = entry.outputs.unflatten(flat_out)
         if state is not None:
             nnx_support.write_back(call.nodes, state)
         return out
@@ -368,11 +401,13 @@ def rewrite(
       fun: the function to rewrite (any JAX-traceable callable: a loss, a model apply, a
         whole jitted train step).
       dtype: ``jnp.float16`` or ``jnp.bfloat16`` forces the rewrite on any platform; None
-        picks by platform like TF: float16 on CUDA GPUs of compute capability >= 7.0,
-        bfloat16 on TPUs, no rewrite elsewhere (CPU) -- unless
-        :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` gives a dtype. When no
-        dtype results, the function runs unchanged and a :class:`RewriteOffWarning` says
-        so once, with the reason.
+        picks by platform like TF, where the program is lowered (``lax.platform_dependent``:
+        a step traced on a CPU host and lowered for a TPU is rewritten): bfloat16 for TPUs,
+        float16 for CUDA GPUs of compute capability >= 7.0 (this machine's GPUs decide;
+        without one, a deviceless compile, such a GPU is assumed), no rewrite elsewhere
+        (CPU) -- unless :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite` gives a
+        dtype. Where this machine's default device runs the function unchanged, a
+        :class:`RewriteOffWarning` says so once, with the reason.
       lists: a :class:`jmp_rewrite.OpLists`; default: the TF 2.21 lists for ``dtype`` with
         the environment overrides applied (TF's ``TF_AUTO_MIXED_PRECISION_GRAPH_REWRITE_*``
         variables or their ``JMP_REWRITE_*`` aliases).
@@ -386,7 +421,8 @@ def rewrite(
       fp8: True (or a :class:`jmp_rewrite.Fp8Rules`) runs the weight GEMMs of the
         program's blocks in float8 (forward e4m3 x e4m3, gradients with the cotangent in
         e5m2, per-tensor current scaling, float32 accumulation, bfloat16 result), the rest
-        as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16``. On CUDA the
+        as the bfloat16 rewrite paints it; needs ``dtype=jnp.bfloat16`` (or None: TPU
+        and CUDA lowerings then both run bfloat16). On CUDA the
         cuBLASLt float8 GEMM, elsewhere an exact emulation (same rounding). When it runs no
         matmul in float8, a :class:`jmp_rewrite.Fp8NoneSelectedWarning` says why, once.
       fuse_attention: True replaces each attention -- ``softmax(scale * q k^T + bias,
@@ -500,58 +536,6 @@ def rewrite_jaxpr(
     return Emitter(graph, painting, config.dtype, config.options).trace_program(closed_jaxpr)
 
 
-@dataclasses.dataclass(frozen=True)
-class PaintResult:
-    """The painting of a whole program: one :class:`EquationPaint` per vertex, in order."""
-
-    equations: tuple[EquationPaint, ...]
-    dtype: np.dtype | None
-    changed: bool
-
-    def __len__(self) -> int:
-        return len(self.equations)
-
-    def __iter__(self):
-        return iter(self.equations)
-
-    def __getitem__(self, index: int) -> EquationPaint:
-        return self.equations[index]
-
-    def find(self, primitive: str) -> list[EquationPaint]:
-        """All vertices of ``primitive`` (or whose path ends with it), in program order."""
-        return [
-            e
-            for e in self.equations
-            if e.primitive == primitive or e.key == primitive or e.path.endswith(primitive)
-        ]
-
-    def colours(self, primitive: str) -> list[str]:
-        """The colours of every ``primitive`` vertex, in program order."""
-        return [e.colour for e in self.find(primitive)]
-
-    @property
-    def half(self) -> list[EquationPaint]:
-        """The vertices that run in half precision."""
-        return [e for e in self.equations if e.colour == "allow"]
-
-    def __str__(self) -> str:
-        rows = [("path", "list", "colour", "pass")]
-        rows += [(e.path, e.list, e.colour, e.painted_by or "") for e in self.equations]
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        return "\n".join(
-            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        )
-
-
-def paint_result(
-    graph: Graph | None, painting: Painting | None, config: RewriteConfig | None
-) -> PaintResult:
-    if graph is None or painting is None:
-        return PaintResult((), None, False)
-    eqs = [EquationPaint(**equation_facts(graph, painting, n)) for n in graph.nodes]
-    return PaintResult(tuple(eqs), config.dtype, painting.changed)
-
-
 def paint_program(
     fun: Callable[..., Any],
     *args: Any,
@@ -610,4 +594,5 @@ def paint_program(
         fuse_attention=fuse_attention,
     )
     entry, _ = fn.trace(*args, **kwargs)
-    return paint_result(entry.graph, entry.painting, entry.config)
+    dtype = entry.config.dtype if entry.config is not None else None
+    return paint_result(entry.graph, entry.painting, dtype)

@@ -1,6 +1,6 @@
-"""What a rewrite runs with: the half dtype (the caller's, the global switch's or the
-platform's, as TF picks it), the lists after levels and environment variables, and why a
-rewrite is off when no dtype applies.
+"""What a rewrite runs with: the half dtype (the caller's, the global switch's or, for
+``dtype=None``, each lowering platform's, as TF picks it by device), the lists after levels
+and environment variables, and why a rewrite is off on this machine when no dtype applies.
 
 :func:`jmp_rewrite.rewrite`, ``explain``, ``compare`` and the seed API all decide through
 :func:`effective_settings` and :func:`resolve_config`, so they agree on one program.
@@ -112,8 +112,11 @@ def _user_stacklevel() -> int:
 
 
 class RewriteOffWarning(UserWarning):
-    """A rewritten function runs unchanged because ``dtype=None`` picked no half dtype here.
+    """A rewritten function runs unchanged on this machine's default device: ``dtype=None``
+    picks no half dtype for it (a CPU, say).
 
+    ``dtype=None`` decides where the program is lowered, so the same function still runs in
+    bfloat16 when lowered for a TPU and in float16 for a CUDA GPU (the message says which).
     Said once per function and reason, as TF logs that its pass is off. Silence it with
     ``warnings.filterwarnings("ignore", category=jmp_rewrite.RewriteOffWarning)``.
     """
@@ -130,10 +133,14 @@ class Fp8NoneSelectedWarning(UserWarning):
 
 
 _PLATFORM_RULE = (
-    "dtype=None picks the half dtype by platform as TF does (float16 on CUDA GPUs of compute "
-    "capability >= 7.0, bfloat16 on TPUs, none elsewhere)"
+    "dtype=None picks the half dtype where the program is lowered, as TF picks it by device "
+    "(float16 on CUDA GPUs of compute capability >= 7.0, bfloat16 on TPUs, none elsewhere)"
 )
 _FORCE_HINT = "pass dtype=jnp.float16 or dtype=jnp.bfloat16 to rewrite anyway"
+
+#: The lowering platforms ``dtype=None`` may rewrite for (``lax.platform_dependent``'s
+#: names); every other platform (``cpu``, ``rocm``, ...) runs the function unchanged.
+LOWERED_PLATFORMS = ("tpu", "cuda")
 
 
 def platform_choice(device: Any = None) -> tuple[np.dtype | None, str]:
@@ -153,9 +160,53 @@ def platform_choice(device: Any = None) -> tuple[np.dtype | None, str]:
     return None, f"{_PLATFORM_RULE}, and the default device is a {device.platform}"
 
 
+def cuda_choice() -> tuple[np.dtype | None, str]:
+    """The half dtype of a CUDA lowering under ``dtype=None``, and why none (a sentence).
+
+    TF's rule on this machine's CUDA GPUs when it has any (float16 if every one has compute
+    capability >= 7.0); without one -- a deviceless compile for a GPU from a CPU host --
+    the GPU is not known, and a GPU with tensor cores (compute capability >= 7.0: V100 and
+    every later data-centre card) is assumed: float16.
+    """
+    try:
+        devices = [d for d in jax.devices("cuda") if d.platform in ("gpu", "cuda")]
+    except RuntimeError:  # no CUDA backend here
+        devices = []
+    for device in devices:
+        dtype, why = platform_choice(device)
+        if dtype is None:
+            return None, why
+    return np.dtype(jnp.float16), ""
+
+
+def lowering_dtypes(fp8: Any = False) -> tuple[tuple[str, np.dtype | None], ...]:
+    """``dtype=None``'s half dtype for each of :data:`LOWERED_PLATFORMS`, as
+    ``((platform, dtype or None), ...)``: bfloat16 for ``tpu``, :func:`cuda_choice` for
+    ``cuda``; every other platform runs unchanged. Float8 (``fp8``) needs bfloat16, so
+    under it a CUDA lowering runs bfloat16 with float8 matmuls instead of float16."""
+    cuda = cuda_choice()[0]
+    if cuda is not None and fp8_lib.resolve_rules(fp8) is not None:
+        cuda = np.dtype(jnp.bfloat16)
+    return (("tpu", np.dtype(jnp.bfloat16)), ("cuda", cuda))
+
+
+def lowering_words(lowered: tuple[tuple[str, Any], ...]) -> str:
+    """``lowered`` (:func:`lowering_dtypes`) in words: ``"lowered for tpu it runs in
+    bfloat16, for cuda in float16, for any other platform unchanged (float32)"``."""
+    parts = [f"for {p} in {np.dtype(d).name}" for p, d in lowered if d is not None]
+    if not parts:
+        return "it runs unchanged (float32) on every platform"
+    parts[0] = parts[0].replace(" in ", " it runs in ", 1)
+    return f"lowered {', '.join(parts)}, for any other platform unchanged (float32)"
+
+
 def platform_dtype(device: jax.Device | None = None) -> np.dtype | None:
     """TF's choice of target dtype for a device: float16 on CUDA GPUs of compute capability
     >= 7.0, bfloat16 on TPUs, None (no rewrite) elsewhere, e.g. on CPU.
+
+    It is the dtype ``rewrite(f)`` (``dtype=None``) runs in on that device. The rewrite
+    itself decides where its program is lowered, so a function traced on a CPU host still
+    runs in bfloat16 when lowered for a TPU and in float16 for a CUDA GPU.
 
     Args:
       device: a ``jax.Device``; defaults to ``jax.devices()[0]``.
@@ -176,13 +227,17 @@ class Settings:
     """What a rewrite with given arguments uses now (after the global switch and the platform).
 
     Attributes:
-      dtype: the half dtype, or None when the rewrite is off.
+      dtype: the half dtype on this machine's default device, or None when the rewrite is
+        off there.
       lists: the :class:`~jmp_rewrite.OpLists`, or None for the defaults.
       level: the level argument, or None.
       infer_follows_allow: TF's pass 4 switch.
       off_reason: why ``dtype`` is None (a sentence), else ``""``.
       fp8: the ``fp8`` argument (False, True or :class:`~jmp_rewrite.Fp8Rules`).
       fuse_attention: the ``fuse_attention`` argument.
+      lowered: when no dtype is given (``dtype=None``, and the global switch gives none),
+        the half dtype of each lowering platform, decided where the program is lowered
+        (:func:`lowering_dtypes`); ``()`` when a dtype is given.
     """
 
     dtype: Any
@@ -192,6 +247,7 @@ class Settings:
     off_reason: str = ""
     fp8: Any = False
     fuse_attention: bool = False
+    lowered: tuple[tuple[str, Any], ...] = ()
 
 
 def effective_settings(
@@ -205,7 +261,9 @@ def effective_settings(
     """The settings :func:`rewrite` with these arguments uses now; ``explain`` uses the same.
 
     An explicit ``dtype`` wins. Otherwise :func:`jmp_rewrite.enable_mixed_precision_graph_rewrite`
-    supplies its options when it is on, and the platform picks the dtype (TF's rule).
+    supplies its options when it is on, and without a dtype from it the dtype is decided
+    where the program is lowered (TF's rule per platform: :func:`lowering_dtypes`).
+    ``dtype`` is then the default device's, which the program runs in here.
     """
     if dtype is not None:
         return Settings(
@@ -227,9 +285,12 @@ def effective_settings(
                 fuse_attention=fuse_attention,
             )
         prefix = "enable_mixed_precision_graph_rewrite is on without a dtype, and "
+    lowered = lowering_dtypes(fp8)
     dtype, why = platform_choice()
-    off = f"{prefix}{why}; {_FORCE_HINT}" if dtype is None else ""
-    return Settings(dtype, lists, level, infer_follows_allow, off, fp8, fuse_attention)
+    if dtype is not None and fp8_lib.resolve_rules(fp8) is not None:
+        dtype = np.dtype(jnp.bfloat16)  # float8 needs bfloat16 (lowering_dtypes)
+    off = f"{prefix}{why}; {lowering_words(lowered)}; {_FORCE_HINT}" if dtype is None else ""
+    return Settings(dtype, lists, level, infer_follows_allow, off, fp8, fuse_attention, lowered)
 
 
 @dataclasses.dataclass(frozen=True)

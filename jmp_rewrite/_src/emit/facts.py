@@ -3,8 +3,9 @@ share.
 
 :class:`EquationPaint` holds the facts every view of the painting needs (where the equation
 sits, its list, its colour, the pass that set it, its scope); :func:`equation_facts` computes
-them once per graph vertex, and :func:`dtypes_after` says which dtypes the rewritten equation
-runs on. ``explain``'s :class:`~jmp_rewrite.EquationReport` and ``compare``'s
+them once per graph vertex (:class:`PaintResult`, what ``paint`` returns, holds them all),
+and :func:`dtypes_after` says which dtypes the rewritten equation runs on. ``explain``'s
+:class:`~jmp_rewrite.EquationReport` and ``compare``'s
 :class:`~jmp_rewrite.EquationComparison` extend the record with their own columns.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.emit.emitter import accumulates_in_float32
@@ -62,6 +65,57 @@ class EquationPaint:
     def half(self) -> bool:
         """Whether the equation runs in half precision."""
         return self.colour == "allow"
+
+
+@dataclasses.dataclass(frozen=True)
+class PaintResult:
+    """The painting of a whole program: one :class:`EquationPaint` per vertex, in order."""
+
+    equations: tuple[EquationPaint, ...]
+    dtype: np.dtype | None
+    changed: bool
+
+    def __len__(self) -> int:
+        return len(self.equations)
+
+    def __iter__(self):
+        return iter(self.equations)
+
+    def __getitem__(self, index: int) -> EquationPaint:
+        return self.equations[index]
+
+    def find(self, primitive: str) -> list[EquationPaint]:
+        """All vertices of ``primitive`` (or whose path ends with it), in program order."""
+        return [
+            e
+            for e in self.equations
+            if e.primitive == primitive or e.key == primitive or e.path.endswith(primitive)
+        ]
+
+    def colours(self, primitive: str) -> list[str]:
+        """The colours of every ``primitive`` vertex, in program order."""
+        return [e.colour for e in self.find(primitive)]
+
+    @property
+    def half(self) -> list[EquationPaint]:
+        """The vertices that run in half precision."""
+        return [e for e in self.equations if e.colour == "allow"]
+
+    def __str__(self) -> str:
+        rows = [("path", "list", "colour", "pass")]
+        rows += [(e.path, e.list, e.colour, e.painted_by or "") for e in self.equations]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+
+
+def paint_result(graph: Graph | None, painting: Painting | None, dtype: Any) -> PaintResult:
+    """The :class:`PaintResult` of a painted program (empty when nothing was painted)."""
+    if graph is None or painting is None:
+        return PaintResult((), None, False)
+    eqs = [EquationPaint(**equation_facts(graph, painting, n)) for n in graph.nodes]
+    return PaintResult(tuple(eqs), dtype, painting.changed)
 
 
 def equation_facts(graph: Graph, painting: Painting, node: Node) -> dict[str, Any]:

@@ -54,10 +54,15 @@ class Report(ReportData):
       residual_bytes_rewritten: the same for the rewritten program.
       explained: what was explained, when it is not simply the function given (e.g. the
         function inside ``jax.jit(rewrite(f))``, with that rewrite's dtype and lists).
-      off_reason: why the rewrite is off (``dtype=None`` on a platform without fast half
-        precision, as :func:`jmp_rewrite.rewrite` decides), else ``""``.
+      off_reason: why the rewrite is off on this machine's default device (``dtype=None``
+        on a platform without fast half precision, as :func:`jmp_rewrite.rewrite` decides),
+        else ``""``.
       fp8_none: under ``fp8=True``, why no matmul runs in float8 (what
         :class:`jmp_rewrite.Fp8NoneSelectedWarning` says), else ``""``.
+      lowered: with ``dtype=None`` (decided where the program is lowered), the dtype each
+        lowering platform runs, ``(("tpu", "bfloat16"), ("cuda", "float16"))`` (``"none"``:
+        unchanged); every other platform runs the function unchanged. The report itself
+        shows the program of this machine's default device. ``()`` when a dtype is given.
     """
 
     def groups(self, by: str = "scope") -> list[explain_view.Group]:
@@ -348,9 +353,10 @@ def explain(
       *args: example arguments (Flax NNX objects are traced on copies of their state and
         left as they are).
       dtype: ``jnp.float16`` or ``jnp.bfloat16``; None decides as :func:`jmp_rewrite.rewrite`
-        does (the rewrite's own dtype, else the seed API's, else the platform's: none on a
-        CPU, where the report says the rewrite is off and why; pass a dtype to see what a
-        GPU would run).
+        does (the rewrite's own dtype, else the seed API's, else where the program is
+        lowered: the report shows this machine's default device's program -- none on a
+        CPU, where it says the rewrite is off here and why -- and ``Report.lowered``
+        what a TPU or CUDA lowering runs; pass that dtype to see its painting).
       lists: a :class:`jmp_rewrite.OpLists` (default: TF's lists for ``dtype``).
       level: as in :func:`jmp_rewrite.rewrite`.
       infer_follows_allow: as in :func:`jmp_rewrite.rewrite` (default True).
@@ -405,8 +411,10 @@ def explain(
     settings = settings_lib.effective_settings(
         dtype, lists, level, follow, fp8 or False, bool(fuse_attention)
     )
+    lowered = tuple((p, "none" if d is None else np.dtype(d).name) for p, d in settings.lowered)
     if settings.dtype is None:
-        return Report("none", False, (), (), None, None, explained, settings.off_reason)
+        off = settings.off_reason
+        return Report("none", False, (), (), None, None, explained, off, lowered=lowered)
     fn = rewrite_lib.rewritten_with(fun, settings, static)
     with rewrite_lib.recording_calls() as inner:
         entry, flat = fn.trace(*args, **kwargs)
@@ -418,7 +426,7 @@ def explain(
             "its painting"
         )
         explained = f"{explained}; {note}" if explained else note
-    report = report_of(entry, explained)
+    report = dataclasses.replace(report_of(entry, explained), lowered=lowered)
     # A program that already differentiates something (a train step): no residual figure.
     has_backward = any(e.phase == source_info.BACKWARD for e in report.equations)
     if not residuals or has_backward:

@@ -99,6 +99,7 @@ class ReportData:
     explained: str = ""
     off_reason: str = ""
     fp8_none: str = ""
+    lowered: tuple[tuple[str, str], ...] = ()
 
     # -- totals ---------------------------------------------------------------------------
 
@@ -161,6 +162,8 @@ class ReportData:
     def summary(self) -> str:
         """A few lines of totals (what was explained first, when it needs saying)."""
         lines = [f"explained: {self.explained}"] if self.explained else []
+        if self.lowered:
+            lines.append(f"dtype=None, decided where the program is lowered: {self.lowered_words}")
         if self.off_reason:
             return "\n".join([*lines, f"rewrite off (runs unchanged): {self.off_reason}"])
         lines += [
@@ -194,6 +197,17 @@ class ReportData:
                 f"{shapes.fmt(self.residual_bytes_rewritten)} (rewritten)"
             )
         return "\n".join(lines)
+
+    @property
+    def lowered_words(self) -> str:
+        """:attr:`lowered` in words (``""`` when a dtype was given)."""
+        if not self.lowered:
+            return ""
+        each = ", ".join(f"{p} {d}" for p, d in self.lowered)
+        return (
+            f"{each}, any other platform float32 (unchanged); this report shows the default "
+            "device's program (explain with dtype= for another's)"
+        )
 
     def _flops_words(self) -> str:
         share, total, region = self.half_flops_share, self.matmul_flops, self.region_flops
@@ -250,6 +264,7 @@ class ReportData:
             "explained": self.explained,
             "off_reason": self.off_reason,
             "fp8_none": self.fp8_none,
+            "lowered": dict(self.lowered),
             "totals": {
                 "equations": self.total,
                 "converted": len(self.converted),

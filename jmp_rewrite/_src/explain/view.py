@@ -248,9 +248,10 @@ class Finding:
         ``half_carry`` (a loop carry in half precision that adds to itself every iteration),
         ``gradient_underflow`` (float16 backward matmuls with no loss scaling) or
         ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
-        shape), ``float8_none`` (under ``fp8=True``, no matmul runs in float8) or
+        shape), ``float8_none`` (under ``fp8=True``, no matmul runs in float8),
         ``attention_unfused`` (under ``fuse_attention=True``, an attention left as written,
-        with the reason).
+        with the reason) or ``off_here`` (``dtype=None`` runs the function unchanged on this
+        machine, while a TPU or CUDA lowering rewrites it: lint that program).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -375,7 +376,27 @@ def lint(report: ReportData) -> Findings:
         + _float8_shapes(report)
         + _unfused_attention(report)
         + chains
+        + _off_here(report)  # an off report has no other finding
     )
+
+
+def _off_here(report: ReportData) -> list[Finding]:
+    """``dtype=None`` off on this machine: the lowerings that rewrite have their own lint."""
+    half = [(p, d) for p, d in report.lowered if d != "none"]
+    if not report.off_reason or not half:
+        return []
+    where = ", ".join(f"{p} runs {d}" for p, d in half)
+    dtypes = " or ".join(f"dtype=jnp.{d}" for d in dict.fromkeys(d for _, d in half))
+    return [
+        Finding(
+            kind="off_here",
+            message=f"the rewrite is off on this machine's default device; lowered, {where}",
+            scope="",
+            source="",
+            equations=(),
+            change=f"explain(..., {dtypes}).lint() lints the program those lowerings run",
+        )
+    ]
 
 
 def _float8_none(report: ReportData) -> list[Finding]:
