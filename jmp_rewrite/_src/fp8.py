@@ -35,10 +35,8 @@ Triton fusions); the scales multiply the float32 result and fold into the GEMM. 
 (CPU: the presets do not lower there) the same quantized values are dequantized exactly to
 float32 and multiplied with float32 accumulation: the same rounding. The choice is made at
 lowering time by ``lax.platform_dependent``, so one rewritten function runs on CPU, compiles
-deviceless for an H100/H200 and runs on the card. A TPU lowering takes a third branch: the
-matmul as the bfloat16 rewrite has it (:data:`TPU_REASON`: XLA:TPU compiles float8 GEMMs for
-v5e/v5p/v6e, slower and larger by its own cost model), and where the default device is a TPU
-the :class:`~jmp_rewrite.Fp8NoneSelectedWarning` says so.
+deviceless for an H100/H200 and runs on the card. A TPU lowering runs the bfloat16 matmul
+(:data:`TPU_REASON`); where the default device is a TPU, ``Fp8NoneSelectedWarning`` says so.
 """
 
 from __future__ import annotations
@@ -413,11 +411,9 @@ def select(graph: Any, painting: Any, rules: Fp8Rules, check_patterns: bool = Tr
     return sel
 
 
-#: Why a TPU lowering keeps the selected matmuls bfloat16. XLA:TPU compiles a float8 GEMM for
-#: v5e, v5p and v6e (the generations compiled here), but XLA's own cost model puts those steps
-#: 1.08-1.17x slower than bfloat16 at 1.06-1.17x the peak memory (the float8 copies and their
-#: scales beside the bfloat16 ones): there float8 is an emulation at a loss, so the selection
-#: applies on CUDA (and in the CPU's exact emulation) only.
+#: Why a TPU lowering keeps the selected matmuls bfloat16: XLA:TPU compiles float8 GEMMs for
+#: v5e/v5p/v6e, but by its own cost model 1.08-1.17x slower than bfloat16 at 1.06-1.17x the
+#: peak (an emulation at a loss); the selection applies on CUDA (and emulated on CPU) only.
 TPU_REASON = (
     "on a TPU they run as bfloat16: XLA:TPU has no native float8 matmul on v5e, v5p or v6e "
     "(compiled, float8 costs time and memory there)"
@@ -425,10 +421,7 @@ TPU_REASON = (
 
 
 def _default_platform() -> str:
-    try:
-        return jax.devices()[0].platform
-    except RuntimeError:  # pragma: no cover - no backend at all
-        return "cpu"
+    return jax.devices()[0].platform
 
 
 def why_none(selection: Fp8Selection | None) -> str:
@@ -596,15 +589,6 @@ def _fp8_dot_bwd(dims, out_dtype, formats, fast_accum, res, g):
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def _bfloat16_dot(eqn: Any, a: Any, b: Any, out_dtype: Any) -> Any:
-    """The painted ``dot_general`` as the bfloat16 rewrite emits it: bfloat16 operands, its
-    own precision, the result in ``out_dtype`` (XLA accumulates in float32)."""
-    params = dict(eqn.params)
-    params["preferred_element_type"] = np.dtype(out_dtype)
-    half = [x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in (a, b)]
-    return eqn.primitive.bind(*half, **params)
-
-
 def emit(eqn: Any, invals: list[Any], choice: Fp8Dot, out_dtype: Any) -> list[Any]:
     """The float8 form of a painted ``dot_general`` (its operands as they are in the
     rewritten program: a float32 parameter, a bfloat16 activation); on a TPU lowering the
@@ -617,8 +601,11 @@ def emit(eqn: Any, invals: list[Any], choice: Fp8Dot, out_dtype: Any) -> list[An
     def float8(a, b):
         return fp8_dot(a, b, dims, out_dtype, choice.formats, choice.fast_accum)
 
-    def tpu(a, b):
-        return _bfloat16_dot(eqn, a, b, out_dtype)
+    def tpu(a, b):  # as the bfloat16 rewrite has it: bfloat16 operands, its own precision
+        half = [
+            x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in (a, b)
+        ]
+        return eqn.primitive.bind(*half, **{**eqn.params, "preferred_element_type": out_dtype})
 
     return [lax.platform_dependent(a, b, tpu=tpu, default=float8)]
 
