@@ -127,7 +127,8 @@ gpu-memory: $(GPU_STAMP)
 # environment, .venv-tpu, holds jax with libtpu (never part of make test). The generations
 # compile one after another (libtpu allows one process at a time). TPU_TARGETS picks them and
 # ARGS go to the script, e.g. make tpu-memory TPU_TARGETS=v5p ARGS="--models gpt --smoke".
-# The steps are rewritten with dtype=jnp.bfloat16 given: dtype=None would choose for the host.
+# The steps are rewritten with dtype=jnp.bfloat16 given (dtype=None, decided where the program
+# is lowered, would give bfloat16 too).
 TPU_VENV ?= .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 TPU_JAX ?= 0.12.0.1
