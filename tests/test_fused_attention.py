@@ -349,6 +349,37 @@ def test_grouped_query_attention_as_a_grouped_einsum_fuses_with_fewer_kv_heads(d
     assert _rel(jax.jit(step)(q, k, v, PAD), ref) <= 1.1 * _rel(plain, ref) + 1e-3
 
 
+def test_grouped_query_rows_without_keys_get_the_mean_of_their_own_kv_heads_values():
+    """GQA (4 query heads, 2 key/value heads: query head ``n`` reads kv head ``n // 2``),
+    a finite fill (``-1e9``) and a batch whose keys are all padded: float32 gives each of
+    its rows the mean of its own kv head's values; so does the fused call (its guard), the
+    kv heads' values far apart (a mean of the other kv head's is off by about 3)."""
+    rng = np.random.default_rng(23)
+    q = jnp.asarray(rng.standard_normal((B, T, 2 * KV, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, KV, D)), jnp.float32)
+    v = rng.standard_normal((B, T, KV, D)) + 3.0 * np.arange(KV)[:, None]  # heads apart
+    v = jnp.asarray(v, jnp.float32)
+    m = jnp.asarray([[1] * T, [0] * T], jnp.int32)
+
+    def att(q, k, v, m):
+        b, t, h, d = q.shape
+        s = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, KV, h // KV, d), k) * d**-0.5
+        s = jnp.where(m[:, None, None, None, :] > 0, s, -1e9)
+        return jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(s), v).reshape(b, t, h, d)
+
+    fn = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
+    sel = _selection(fn, q, k, v, m)
+    assert len(sel.fused) == 1 and not sel.left, sel.left
+    core = sel.fused[0].core
+    assert core.group == 2 and core.guard_mask and core.fill == -1e9
+    want, got = att(q, k, v, m), jax.jit(fn)(q, k, v, m)
+    own = jnp.repeat(v[1].mean(0), 2, axis=0)  # (query heads, D): kv head n // 2's mean
+    np.testing.assert_allclose(want[1], jnp.broadcast_to(own, want[1].shape), atol=1e-5)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got[1], want[1], atol=2e-2)
+    np.testing.assert_allclose(got[0], want[0], atol=3e-2)
+
+
 def test_a_mask_that_differs_between_the_heads_of_a_group_is_left():
     rng = np.random.default_rng(17)
     q = jnp.asarray(rng.standard_normal((B, T, 2 * KV, D)), jnp.float32)
@@ -469,6 +500,40 @@ def test_a_bias_gradient_of_batch_above_one_is_left_with_the_reason():
     )
     for m in (PAD, PAD.astype(jnp.float32)):
         assert len(_selection(padding, q, k, v, m).fused) == 1
+
+
+def test_a_bias_over_batch_and_heads_of_batch_above_one_is_left_with_the_reason():
+    """ALiBi-like slopes learned per batch and head (a float argument): the bias is
+    ``(batch, heads, 1, keys)``, over no query dim, but its heads make it a learned bias and
+    JAX may differentiate it (``grad(rewrite(f))`` differentiates the fused call): batch 2
+    is left as written, with the reason; batch 1 fused. Unfused, the gradient of the slopes
+    is the rewrite's own, near float32's."""
+    q, k, v = _qkv(22)
+    rng = np.random.default_rng(22)
+
+    def att(q, k, v, slopes):
+        bias = slopes[:, :, None, None] * jnp.arange(T, dtype=jnp.float32)  # (b, h, 1, s)
+        return _out(jax.nn.softmax(_einsum(q, k) + bias), v)
+
+    for batch, fused in ((B, False), (1, True)):
+        slopes = jnp.asarray(0.3 * rng.standard_normal((batch, H)), jnp.float32)
+        forward = jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True)
+        sel = _selection(forward, q, k, v, slopes)
+        assert len(sel.fused) == fused, sel.left
+        if fused:
+            assert sel.fused[0].core.biases and not sel.left
+            continue
+        (why,) = sel.left.values()
+        assert "its bias of batch 2 is computed from the function's float inputs" in why
+        assert "for batch 1 only (jax issue 30593)" in why
+
+        def loss(f):
+            return lambda *a: jnp.sum(jnp.tanh(f(*a)) * jnp.arange(D))
+
+        ref = jax.grad(loss(att), argnums=3)(q, k, v, slopes)
+        got = jax.jit(jax.grad(loss(forward), argnums=3))(q, k, v, slopes)
+        assert got.dtype == jnp.float32 and got.shape == (B, H)
+        assert _rel(got, ref) < 5e-2
 
 
 # -- rows left without keys -------------------------------------------------------------

@@ -193,3 +193,91 @@ def test_rewriting_twice_keeps_the_float32_boundary(dtype):
     g2 = jax.jit(jax.grad(twice))(params, xs)
     for k in g1:
         np.testing.assert_array_equal(np.asarray(g1[k]), np.asarray(g2[k]))
+
+
+ORDERS = pytest.mark.parametrize("order", ["rewrite", "grad_outer", "grad_inner"])
+
+
+def _programs(loss: Callable[..., Any], order: str, dtype: Any) -> Callable[..., Any]:
+    if order == "rewrite":
+        return jmp_rewrite.rewrite(loss, dtype=dtype)
+    if order == "grad_outer":
+        return jax.grad(jmp_rewrite.rewrite(loss, dtype=dtype), argnums=(0, 1))
+    return jmp_rewrite.rewrite(jax.grad(loss, argnums=(0, 1)), dtype=dtype)
+
+
+def _close_to_float32(fun: Callable[..., Any], loss: Callable[..., Any], order, dtype, *args):
+    """``fun``'s gradients (``order`` differentiating) are float32 and within a few of
+    ``dtype``'s roundings of float32's."""
+    if order == "rewrite":
+        return
+    got = jax.jit(fun)(*args)
+    ref = jax.grad(loss, argnums=(0, 1))(*args)
+    assert [g.dtype for g in got] == [jnp.float32, jnp.float32]
+    for g, r in zip(got, ref, strict=True):
+        e = float(np.linalg.norm(np.asarray(g - r)) / np.linalg.norm(np.asarray(r)))
+        assert e <= 4 * float(jnp.finfo(dtype).eps), e
+
+
+@DTYPES
+@ORDERS
+def test_a_shard_map_without_a_loop_takes_its_float32_weight_as_it_is(order, dtype):
+    """A ``shard_map`` sums a replicated operand's cotangent over its devices (a ``psum``)
+    whether or not its body holds a loop: the float32 weight its half matmul reads crosses
+    the boundary as float32 and is cast inside, so under ``grad(rewrite(f))`` the transposed
+    ``shard_map`` sums its cotangent in float32. (The ``shard_map`` body above holds a scan,
+    which hands its weights in by itself; on one device the sum is exact either way, so only
+    the dtypes tell.)"""
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices(backend="cpu")[:1]), ("d",))
+    layer = jax.shard_map(
+        lambda x, w: jnp.tanh(x @ w), mesh=mesh, in_specs=(P("d"), P()), out_specs=P("d")
+    )
+
+    def loss(w, x):
+        return layer(x, w).astype(jnp.float32).mean()
+
+    params, xs = inputs()
+    w, x = params["w"], xs[0]
+    fun = _programs(loss, order, dtype)
+    jaxpr = jax.make_jaxpr(fun)(w, x)
+    assert half_casts_handed_into_bodies(jaxpr) == []
+    maps = [e for e in all_eqns(jaxpr) if e.primitive.name == "shard_map"]
+    assert len(maps) == (1 if order == "rewrite" else 2)
+    weight = [a.aval.dtype for a in maps[0].invars if a.aval.shape == w.shape]
+    assert weight == [jnp.float32]  # handed in as it is
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == dtype for e in dots for v in e.invars)
+    # the weight's cotangent leaves the transposed shard_map (its sum over devices) float32
+    summed = [v.aval.dtype for e in maps[1:] for v in e.outvars if v.aval.shape == w.shape]
+    assert summed == ([] if order == "rewrite" else [jnp.float32])
+    _close_to_float32(fun, loss, order, dtype, w, x)
+
+
+@DTYPES
+@ORDERS
+def test_scanned_float32_slices_read_in_half_are_cast_once_before_the_loop(order, dtype):
+    """A scan's ``xs`` are per-trip operands, as its carries are: float32 ``xs`` read only by
+    a half matmul are cast to half once, outside, and the loop scans half slices, forward
+    and backward (handed in float32 and cast per trip, they would be kept stacked in float32,
+    twice the bytes, and so would their cotangents under ``grad(rewrite(f))``). The weight,
+    a loop constant, is handed in float32 (see above)."""
+
+    def loss(w, xs):
+        def step(h, x):
+            h = jnp.tanh(x @ w + h)
+            return h, h
+
+        _, hs = lax.scan(step, jnp.zeros((B, H)), xs)
+        return hs.astype(jnp.float32).mean()
+
+    params, xs = inputs()
+    w, xs = params["w"], xs[:6]
+    fun = _programs(loss, order, dtype)
+    jaxpr = jax.make_jaxpr(fun)(w, xs)
+    scans = [e for e in all_eqns(jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) == (1 if order == "rewrite" else 2)
+    stacked = [
+        v.aval.dtype for e in scans for v in (*e.invars, *e.outvars) if v.aval.shape == xs.shape
+    ]
+    assert stacked and set(stacked) == {np.dtype(dtype)}, stacked
+    _close_to_float32(fun, loss, order, dtype, w, xs)

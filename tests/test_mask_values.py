@@ -23,6 +23,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from jaxpr_walk import all_eqns
 
 import jmp_rewrite as jr
 
@@ -437,3 +438,100 @@ def test_the_gradient_through_a_moved_fill_is_the_fills(move, dtype):
     np.testing.assert_allclose(got, ref, rtol=rtol)
     if move in ("broadcast_in_dim", "concatenate", "flip_call"):  # the other order, in turn
         np.testing.assert_allclose(jr.rewrite(jax.grad(loss), dtype=dtype)(w, x), ref, rtol=rtol)
+
+
+#: A move and arithmetic of the fill and a computed value, inside a call or not.
+MOVED_AND_ADDED = {
+    "call": jax.jit(lambda m, x, w: jnp.flip(m, 0) + x @ w),
+    "plain": lambda m, x, w: jnp.flip(m, 0) + x @ w,
+}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
+def test_a_call_of_a_move_and_arithmetic_on_a_fill_is_no_move(dtype):
+    """``(1 - x @ w) * jit(lambda m, x, w: jnp.flip(m, 0) + x @ w)(fill, x, w)``: the call
+    holds a move of the fill and arithmetic, so it is no move (``tangents.hands_on``: a call
+    of moves only). Its half result is the pinned sum and the derivative reading it reads
+    that, as the same ops outside a call do and as ``rewrite(grad(f))`` does: the same
+    gradient whatever the spelling and the order, no further from float32 than careful
+    hand-written half (the fill at the type's largest finite value; float16: 0.4998 where
+    float32 gives 7629), and no float32 matmul in the derivative (handed on as a move, the
+    call would be re-bound in float32 for it, in one order and one spelling only)."""
+    fill, scale = SATURATING[dtype]
+    w, x = jnp.eye(4) * 0.5, jnp.full((4, 4), 2.0)
+
+    def loss_of(inner, fill=fill, cast=lambda v: v):
+        return lambda w, x: jnp.sum(
+            (1.0 - cast(x) @ cast(w))
+            * inner(cast(_fill_array(4, 4, fill=fill)), cast(x), cast(w))
+            * scale
+        ).astype(jnp.float32)
+
+    loss = loss_of(MOVED_AND_ADDED["call"])
+    grad_outer = jax.grad(jr.rewrite(loss, dtype=dtype))
+    got = grad_outer(w, x)
+    plain = jax.grad(jr.rewrite(loss_of(MOVED_AND_ADDED["plain"]), dtype=dtype))(w, x)
+    inner = jr.rewrite(jax.grad(loss), dtype=dtype)(w, x)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, plain)
+    np.testing.assert_array_equal(got, inner)
+    ref = jax.grad(loss)(w, x)
+    half_max = float(jnp.finfo(dtype).max)
+    hand = jax.grad(loss_of(MOVED_AND_ADDED["call"], -half_max, lambda v: v.astype(dtype)))(w, x)
+    err = lambda g: float(jnp.abs(g - ref).max())  # noqa: E731
+    assert np.isfinite(np.asarray(got)).all() and err(got) <= err(hand) * (1 + 1e-3)
+    jaxpr = jax.make_jaxpr(grad_outer)(w, x)
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == dtype for e in dots for v in e.invars)
+
+
+def _summed_through(loop: bool, fill: float):
+    """``sum_t (1 - x_t @ w) * big * 2**-20`` with ``big = x0 + (1 - m) * fill``: a big value
+    computed from a float input (not frozen), read by a half ``mul`` on every trip of a
+    ``scan`` (``loop``) or of the same steps unrolled."""
+    m = jnp.asarray(np.random.default_rng(5).random((4, 4)) > 0.3, jnp.float32)
+
+    def loss(w, x0, xs):
+        big = x0 + (1.0 - m) * fill
+
+        def step(h, x):
+            return h + (1.0 - x @ w) * big * 2.0**-20, None
+
+        h = jnp.zeros((4, 4))
+        if loop:
+            return jnp.sum(lax.scan(step, h, xs)[0])
+        for x in xs:
+            h, _ = step(h, x)
+        return jnp.sum(h)
+
+    return loss
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug (found probing mutant r8_handed_in_big_not_saturating): a loop's "
+    "big operand is cast into half outside the loop, so the body's derivative reads the "
+    "pinned half value, not the float32 one",
+)
+def test_the_gradient_through_a_big_value_read_in_a_loop_is_the_unrolled_loops():
+    """``grad(rewrite(f))`` with a computed big value (a float input plus a ``-1e9`` mask
+    bias) read in half inside a ``scan``: its derivative reads the float32 value, as the
+    same steps unrolled read it (``tangents``: a big value pinned into half is
+    differentiated at its float32 value), and as ``rewrite(grad(f))`` of the scan does.
+    Today the scan's gradients of ``w`` and ``xs`` are 1.0 off float32 (relative; ``w``'s
+    ``[0, 0]`` -0.36 where float32 gives -5537, unrolled -5536), where the unrolled steps
+    give 3e-4 and ``rewrite(grad(f))`` 9e-5 and 3e-4; handing the big value in float32 and
+    pinning it at its readers inside (the mutant) gives 9e-5 and 3e-4.
+    (The forward overflows honestly, -inf, unrolled or not.)"""
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(0.5 * rng.standard_normal((4, 4)), jnp.float32)
+    x0 = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((5, 4, 4)), jnp.float32)
+    looped, unrolled = _summed_through(True, -1e9), _summed_through(False, -1e9)
+    ref = jax.grad(looped, argnums=(0, 2))(w, x0, xs)
+    plain = jax.grad(jr.rewrite(unrolled, dtype=F16), argnums=(0, 2))(w, x0, xs)
+    got = jax.grad(jr.rewrite(looped, dtype=F16), argnums=(0, 2))(w, x0, xs)
+    for g, p, r in zip(got, plain, ref, strict=True):
+        assert g.dtype == jnp.float32
+        assert _rel(p, r) < 1e-2  # the unrolled steps: float32's gradient, rounded
+        assert _rel(g, r) <= 2 * _rel(p, r) + 1e-3

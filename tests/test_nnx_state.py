@@ -216,6 +216,35 @@ def test_undifferentiated_nodes_keywords_and_custom_variables_keep_their_updates
     assert rng_count(model) == 2
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_a_module_passed_only_by_keyword_keeps_its_updates(jit):
+    """The only NNX object a keyword (the positional arguments plain arrays): the call still
+    goes through NNX's split and merge, so BatchNorm's statistics (computed from ``w`` here)
+    and Dropout's ``Rngs`` count are written back as ``nnx.value_and_grad`` writes them,
+    and ``w``'s gradient is its gradient times the loss scale."""
+    model, optimizer = setup()
+    ref_model = nnx.clone(model)
+    w = jnp.linspace(0.5, 1.5, 4)
+
+    def loss(w, *, model):
+        return jnp.mean(model(X * w) ** 2)
+
+    def ref_loss(w, model):
+        return jr.scale_loss(loss(w, model=model), optimizer)
+
+    grads_of, ref_grads_of = jr.value_and_grad(loss), nnx.value_and_grad(ref_loss)
+    if jit:
+        grads_of, ref_grads_of = nnx.jit(grads_of), nnx.jit(ref_grads_of)
+    value, grads = grads_of(optimizer, w, model=model)
+    ref_value, ref_grads = ref_grads_of(w, ref_model)
+    np.testing.assert_allclose(value * SCALE, ref_value, rtol=1e-6)
+    assert grads.shape == w.shape and grads.dtype == jnp.float32
+    np.testing.assert_allclose(grads, ref_grads, rtol=1e-5)
+    assert float(jnp.abs(model.bn.mean[...]).max()) > 1e-2
+    assert_states_close(nnx.state(model, nnx.BatchStat), nnx.state(ref_model, nnx.BatchStat), 1e-6)
+    assert rng_count(model) == rng_count(ref_model) == 1
+
+
 def test_diff_state_argnums_choose_the_variables_as_in_nnx():
     model, optimizer = setup()
     only_kernels = nnx.DiffState(0, nnx.All(nnx.Param, nnx.PathContains("kernel")))
