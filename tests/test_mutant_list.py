@@ -27,9 +27,8 @@ def _load(name: str):
 
 
 # curated + the planted rounds
-MUTANTS = (
-    _load("mutant_list").MUTANTS + _load("mutants_round6").MUTANTS + _load("mutants_round7").MUTANTS
-)
+ROUNDS = ("mutant_list", "mutants_round6", "mutants_round7", "mutants_round8")
+MUTANTS = tuple(m for name in ROUNDS for m in _load(name).MUTANTS)
 
 
 def _test_names(file: str) -> set[str]:
