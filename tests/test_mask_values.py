@@ -507,26 +507,16 @@ def _summed_through(loop: bool, fill: float):
     return loss
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (found probing mutant r8_handed_in_big_not_saturating): a loop's "
-    "big operand is cast into half outside the loop, so the body's derivative reads the "
-    "pinned half value, not the float32 one. Handing it in float32 (the mutant) fixes this "
-    "case but breaks another: in rewrite(grad(f)) a body that only passes the big value out "
-    "(JAX hoists the computation out of the scan) casts it to half at the body's output "
-    "unpinned, -inf then NaN gradients (test_gradients_across_boundaries[rewrite_of_grad-"
-    "scan-float16]); the fix needs a body's output casts to pin big values too",
-)
 def test_the_gradient_through_a_big_value_read_in_a_loop_is_the_unrolled_loops():
     """``grad(rewrite(f))`` with a computed big value (a float input plus a ``-1e9`` mask
     bias) read in half inside a ``scan``: its derivative reads the float32 value, as the
     same steps unrolled read it (``tangents``: a big value pinned into half is
     differentiated at its float32 value), and as ``rewrite(grad(f))`` of the scan does.
-    Today the scan's gradients of ``w`` and ``xs`` are 1.0 off float32 (relative; ``w``'s
-    ``[0, 0]`` -0.36 where float32 gives -5537, unrolled -5536), where the unrolled steps
-    give 3e-4 and ``rewrite(grad(f))`` 9e-5 and 3e-4; handing the big value in float32 and
-    pinning it at its readers inside (the mutant) gives 9e-5 and 3e-4.
-    (The forward overflows honestly, -inf, unrolled or not.)"""
+    Cast into half outside the loop (as it was), the scan's gradients of ``w`` and ``xs``
+    were 1.0 off float32 (relative; ``w``'s ``[0, 0]`` -0.36 where float32 gives -5537,
+    unrolled -5536); handed in as float32 and pinned by its readers inside: 9e-5 and 3e-4,
+    as unrolled (3e-4) and ``rewrite(grad(f))`` (9e-5, 3e-4). (The forward overflows
+    honestly, -inf, unrolled or not.)"""
     rng = np.random.default_rng(6)
     w = jnp.asarray(0.5 * rng.standard_normal((4, 4)), jnp.float32)
     x0 = jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)

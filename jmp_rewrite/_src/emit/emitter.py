@@ -251,9 +251,10 @@ class Emitter:
                 self.flags.adopt(env[jaxpr.outvars[i]], flag)
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars] + flags
+        big_out = scope.big_outputs or (False,) * len(jaxpr.outvars)
         return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
-            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))
-            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)
+            read(a, d, False, not jc.is_literal(a) and (self.flags.known(env[a]) or b))
+            for a, d, b in zip(jaxpr.outvars, out_dtypes, big_out, strict=True)
         ] + flags
 
     def big_outputs(self, rec: EqnRec) -> list[int]:
@@ -336,13 +337,17 @@ class Emitter:
         """``wanted`` less casts into half of float32 values a loop or ``shard_map`` (or a body
         holding one) reads as they are: cast at their readers, their cotangents are float32
         (cast outside, a ``scan``'s transpose summed them in half over every trip); XLA
-        hoists the cast. Per-trip operands and values saturating into half are cast outside."""
+        hoists the cast. Per-trip operands, literals and clamped constants are cast outside. A
+        big value (beyond the half range) is handed in too: the body's readers and its output
+        casts pin it (``ScopeRec.big_outputs``), and a derivative inside reads its float32
+        value (cast outside, a computed mask ``x + (1 - m) * -1e9`` read by a half ``mul`` in
+        a ``scan`` gave ``grad(rewrite(f))`` float16 gradients 100% off float32)."""
         per_trip = set(ho.per_trip_positions(rec.layout))
         out = list(wanted)
         for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True)):
             if d is None or i in per_trip or not is_f32(a.aval.dtype) or is_f32(d):
                 continue
-            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)
+            saturates = _clamped(rec, i) or jc.is_literal(a)
             if not saturates and is_f32(jnp.result_type(read(a))):
                 out[i] = None  # handed in as it is; cast inside by its readers
         return out

@@ -317,7 +317,9 @@ class Graph:
                 # cast to half would hand the caller a rounded copy.
                 rec.consumers[atom].append(None)
         outs = [source(a) for a in jaxpr.outvars]
-        return rec, outs, [origin(a) for a in jaxpr.outvars]
+        out_origins = [origin(a) for a in jaxpr.outvars]
+        rec.big_outputs = tuple(not outer_backward and o.big for o in out_origins)
+        return rec, outs, out_origins
 
     def _structural(
         self, key: str, path: str, avals: list[Any], process: bool, unit: int | None

@@ -119,3 +119,7 @@ class ScopeRec:
     #: nested calls and conds; casts excluded, as they take any dtype). A call site passes
     #: an operand in the dtype all of them want, so the cast is made once, outside.
     consumers: dict[Any, list[int]] = dataclasses.field(default_factory=dict)
+    #: Per output of a forward jaxpr, whether it is big (``Origin.big``): cast into half at
+    #: the boundary, it is pinned even where no equation of the body computed it (a float32
+    #: big value handed in and out, as a ``scan`` of a hoisted mask bias passes it on).
+    big_outputs: tuple[bool, ...] = ()
