@@ -27,7 +27,7 @@ def _load(name: str):
 
 
 # curated + the planted rounds
-ROUNDS = ("mutant_list", "mutants_round6", "mutants_round7", "mutants_round8")
+ROUNDS = ("mutant_list", "mutants_round6", "mutants_round7", "mutants_round8", "mutants_round9")
 MUTANTS = tuple(m for name in ROUNDS for m in _load(name).MUTANTS)
 
 

@@ -419,8 +419,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.outputs_not_cast_back",
         "emit/emitter.py",
-        "            for a, d in zip(jaxpr.outvars, out_dtypes, strict=True)",
-        "            for a, d in zip(jaxpr.outvars, [None] * len(out_dtypes), strict=True)",
+        "            for a, d, b in zip(jaxpr.outvars, out_dtypes, big_out, strict=True)",
+        "            for a, d, b in zip(jaxpr.outvars, [None] * len(out_dtypes), big_out, strict=True)",
         T_REWRITE + "test_matches_float32_and_keeps_signature",
         "rewritten outputs come back in half precision",
     ),
@@ -1267,7 +1267,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.boundary_result_not_pinned",
         "emit/emitter.py",
-        "            read(a, d, False, not jc.is_literal(a) and self.flags.known(env[a]))",
+        "            read(a, d, False, not jc.is_literal(a) and (self.flags.known(env[a]) or b))",
         "            read(a, d)",
         T_MASKS + "test_every_boundary",
         "[28.2c] a bias handed out of a cond or loop body in half is -inf: NaN rows",

@@ -13,9 +13,9 @@ committed, before any test was read; each mutant's ``tests`` guessed from the te
 names in ``ls tests/`` only). First scored (``--no-baseline -j 2``, targeted files, not
 ``--broad``: the shared CPU was too slow): 9 of 16 caught, 7 survived; each caught mutant's
 ``tests`` was then narrowed to the test that caught it. Then (branch pins9) a test was added
-for six of the survivors and each names it; ``r8_handed_in_big_not_saturating``, probed, is
-no test gap but a bug of today's code that the mutant fixes (its ``survives``; a strict
-xfail records the bug). Re-scored with the baseline, ``-j 1``: 15 of 16 caught
+for six of the survivors and each names it; ``r8_handed_in_big_not_saturating``, probed, was
+no test gap but a bug of the code that the mutant fixed: the fix is applied, and the mutant
+now puts the old code back. Re-scored with the baseline, ``-j 1``: 15 of 16 caught
 (``runs/mutants_round8.md``).
 
 Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round8 --broad -j 2``.
@@ -27,24 +27,17 @@ from tools.mutant_list import Mutant, _m  # _m: the list's own builder (a file u
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- float32 values handed into loops and shard_map ------------------------------------
+    # Planted as dropping ``self._big(rec, i)``; probed, that was the fix (applied
+    # 2026-12-02 with ScopeRec.big_outputs): the mutant is now the old code put back.
     _m(
         "r8_handed_in_big_not_saturating",
         "emit/emitter.py",
-        "            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)",
         "            saturates = _clamped(rec, i) or jc.is_literal(a)",
-        ("tests/test_loop_cotangents.py", "tests/test_gradient_underflow.py"),
-        "a big float32 value (beyond the half range, pinned when cast) read by a loop is "
-        "handed in as float32 and cast inside by its readers, unpinned: the body's half "
-        "readers see inf where the cast outside pinned it",
-        survives="not equivalent, and the mutant is the better code: probed (160 programs: "
-        "5 big values x scan, fori_loop, shard_map, jit of scan x 4 half readers x both "
-        "dtypes), the forward is bit-identical (graph.py hands the big origin in, so the "
-        "readers inside pin it), but grad(rewrite(f)) differs in 28, all with the big value "
-        "computed from a float input (x + (1 - m) * fill): today the outside cast hides its "
-        "float32 value from the body's derivative (float16: dW, dxs 1.0 off float32, the "
-        "unrolled loop 3e-4), the mutant reads it (3e-4). A known bug, not a test gap: "
-        "tests/test_mask_values.py::test_the_gradient_through_a_big_value_read_in_a_loop_is"
-        "_the_unrolled_loops, xfail(strict=True) until fixed",
+        "            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)",
+        "tests/test_mask_values.py::test_the_gradient_through_a_big_value_read_in_a_loop_is_the_unrolled_loops",
+        "a big float32 value read by a loop is cast into half outside it again: the body's "
+        "derivative reads the pinned half value (grad(rewrite(f)) of a scan reading a "
+        "computed -1e9 mask bias: float16 gradients 100% off float32)",
     ),
     # caught by tests/test_loop_cotangents.py::test_a_shard_map_without_a_loop_takes_its_float32_weight_as_it_is
     _m(
