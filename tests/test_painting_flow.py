@@ -61,6 +61,7 @@ def _snapshot(g: Graph):
         [(s, o) for s, o, _ in g.outputs],
         list(g.unrun_carries),
         sorted(g.outside_handoffs),
+        sorted(g.choice_cases.items()),
         g.opaque_allow,
         len(g.loop_states),
     )

@@ -968,10 +968,32 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "paint.cond_output_half_if_any_branch_half",
         "paint/additions.py",
-        "                c in g.outside_handoffs or not all(f in half for f in n.fanin)",
-        "                c in g.outside_handoffs or not any(f in half for f in n.fanin)",
+        "    return all(f in half for f in g.choice_cases.get(n.id, n.fanin))",
+        "    return any(f in half for f in g.choice_cases.get(n.id, n.fanin))",
         T_R4 + "test_a_float32_value_leaving_a_cond_comes_back_exact",
         "[21.8] a cond output one branch hands float32 on is rounded when another is half",
+    ),
+    _m(
+        "paint.select_joins_no_cases",
+        "paint/additions.py",
+        "            if n.key in _CHOICES and (c in g.outside_handoffs or not _all_half(g, n, half)):",
+        '            if n.key == "<cond-output>" and (c in g.outside_handoffs or not _all_half(g, n, half)):',
+        (
+            "tests/test_select_state.py::test_a_select_hands_the_state_it_did_not_update_on_exactly",
+            "tests/test_oracle.py::test_counterexample",
+        ),
+        "vmap-cond-square-state: a select beside a half update rounds the state it hands on",
+    ),
+    _m(
+        "graph.select_constant_case_is_a_value",
+        "trace/graph.py",
+        "            if is_float(a.aval.dtype) and not o.frozen",
+        "            if is_float(a.aval.dtype)",
+        (
+            "tests/test_select_state.py::test_a_mask_fill_takes_the_selects_type",
+            "tests/test_goldens.py::test_painting_goldens",
+        ),
+        "a mask's fill counts as a float32 value: where(m, scores, fill) runs in float32",
     ),
     # ---- branch symbolic (issue 24): shape decisions safe with symbolic dimensions ----------
     _m(

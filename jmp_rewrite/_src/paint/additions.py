@@ -477,6 +477,16 @@ def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
     it stays float32 (the matmul's branch casts up, exactly) instead of coming back rounded.
     A branch handing on a program input or a constant as is (``lambda s: s`` beside an
     update computed in half) hands on a float32 value too (``Graph.outside_handoffs``).
+
+    A ``select_n`` chooses as a ``cond`` does, element by element: ``where(ok, update(s),
+    s)``, ``lax.select``, ``select_n`` of several cases, and a ``cond`` of a batched predicate
+    under ``vmap``, which JAX runs as both branches and a ``select_n`` of their results. It
+    moves half values only when every case that is a value hands it one: a case that is a
+    program input, or a float32 value (a copy of an input, a loop carry handed on, a value
+    computed in float32), is one of the values it hands on, and read in float32 the select
+    stays float32 (the half cases cast up, exactly). Its constant cases (``Origin.frozen``:
+    a mask's fill in ``where(m, scores, -1e9)``) are no values here: they take the select's
+    type, as a literal does, so a masked score stays half beside its matmul.
     """
     copies = _moves_float32(g, p)  # clear ops painted half that move float32 values
     read_in_float32 = [
@@ -487,6 +497,18 @@ def keep_float32_reads_unrounded(g: Graph, p: Painting) -> None:
     for v in _walk_up(g, read_in_float32, lambda n: n.id in copies):
         p.allow.discard(v)
         p.painted_by[v] = "keep_float32_reads_unrounded"
+
+
+#: Clear vertices whose value is one of their inputs': a ``cond``'s output (a branch's
+#: result) and ``select_n`` (``where``, ``lax.select``, a ``cond`` of a batched predicate
+#: under ``vmap``, which runs both branches and selects their results).
+_CHOICES = ("<cond-output>", "select_n")
+
+
+def _all_half(g: Graph, n: Node, half: set[int]) -> bool:
+    """Whether every value choice ``n`` picks from is a half value; a select's constant cases
+    (a mask's fill: ``Graph.choice_cases``) take its type, as a literal does."""
+    return all(f in half for f in g.choice_cases.get(n.id, n.fanin))
 
 
 def _moves_float32(g: Graph, p: Painting) -> set[int]:
@@ -501,10 +523,8 @@ def _moves_float32(g: Graph, p: Painting) -> set[int]:
             n = g.nodes[c]
             if c not in half_clear or c in half:
                 continue
-            if n.key == "<cond-output>" and (
-                c in g.outside_handoffs or not all(f in half for f in n.fanin)
-            ):
-                continue  # some branch hands on a float32 value (an input, a constant)
+            if n.key in _CHOICES and (c in g.outside_handoffs or not _all_half(g, n, half)):
+                continue  # some branch or case hands on a float32 value (an input, a constant)
             half.add(c)
             todo.append(c)
     return half_clear - half

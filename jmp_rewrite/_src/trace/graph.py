@@ -156,8 +156,14 @@ class Graph:
         self.unrun_carries: list[int] = []
         #: ``cond`` outputs that some branch hands a value with no node of its own: a program
         #: input, a constant the branch closes over, a literal -- a float32 value, as is
-        #: (``paint_additions.keep_float32_reads_unrounded``).
+        #: (``paint_additions.keep_float32_reads_unrounded``); and ``select_n`` nodes one of
+        #: whose cases is a program input.
         self.outside_handoffs: set[int] = set()
+        #: per ``select_n`` node (``where``, ``lax.select``, a ``cond`` of a batched predicate
+        #: under ``vmap``), the nodes of its cases that are no constants (``Origin.frozen``:
+        #: a mask's fill takes the select's type, as a literal does); see
+        #: ``paint_additions.keep_float32_reads_unrounded``.
+        self.choice_cases: dict[int, tuple[int, ...]] = {}
         self._n_states = len(jaxpr.invars)
         self.top, outs, out_origins = self._scope(jaxpr, [None] * n_in, "", False, None, origins)
         #: the program's outputs: (source node or None, origin, aval) each.
@@ -279,6 +285,8 @@ class Graph:
                     self.opaque_allow = holds_allow_ops(eqn, self.lists)
                 out = [node if is_float(v.aval.dtype) else None for v in eqn.outvars]
                 erec = EqnRec("opaque" if opaque else "leaf", node=node)
+                if name == "select_n":
+                    self._choice(node, eqn, ins, in_origins)
             if out_origins is None:  # a leaf, opaque equation or fused unit
                 o = leaf_origin(eqn, self.lists.kind(key), in_origins)
                 o = NOWHERE if reads_refs(eqn) else o  # a Ref holds what was last written
@@ -320,6 +328,19 @@ class Graph:
         out_origins = [origin(a) for a in jaxpr.outvars]
         rec.big_outputs = tuple(not outer_backward and o.big for o in out_origins)
         return rec, outs, out_origins
+
+    def _choice(self, node: int, eqn: Any, ins: list[int | None], origins: list[Origin]) -> None:
+        """Records a ``select_n``'s cases that are values, not constants (see
+        :attr:`choice_cases`), and whether one of them is a program input, with no node of
+        its own (:attr:`outside_handoffs`)."""
+        cases = [
+            src
+            for a, src, o in zip(eqn.invars[1:], ins[1:], origins[1:], strict=True)
+            if is_float(a.aval.dtype) and not o.frozen
+        ]
+        self.choice_cases[node] = tuple(c for c in cases if c is not None)
+        if None in cases:
+            self.outside_handoffs.add(node)
 
     def _structural(
         self, key: str, path: str, avals: list[Any], process: bool, unit: int | None
