@@ -32,8 +32,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "r8_handed_in_big_not_saturating",
         "emit/emitter.py",
-        "            saturates = _clamped(rec, i) or jc.is_literal(a)",
-        "            saturates = _clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)",
+        "            if not (_clamped(rec, i) or jc.is_literal(a)) and is_f32(jnp.result_type(read(a))):",
+        "            if not (_clamped(rec, i) or self._big(rec, i) or jc.is_literal(a)) and is_f32(jnp.result_type(read(a))):",
         "tests/test_mask_values.py::test_the_gradient_through_a_big_value_read_in_a_loop_is_the_unrolled_loops",
         "a big float32 value read by a loop is cast into half outside it again: the body's "
         "derivative reads the pinned half value (grad(rewrite(f)) of a scan reading a "

@@ -335,20 +335,15 @@ class Emitter:
 
     def _handed_in(self, eqn: Any, rec: EqnRec, wanted: list[Any], read: Any) -> list[Any]:
         """``wanted`` less casts into half of float32 values a loop or ``shard_map`` (or a body
-        holding one) reads as they are: cast at their readers, their cotangents are float32
-        (cast outside, a ``scan``'s transpose summed them in half over every trip); XLA
-        hoists the cast. Per-trip operands, literals and clamped constants are cast outside. A
-        big value (beyond the half range) is handed in too: the body's readers and its output
-        casts pin it (``ScopeRec.big_outputs``), and a derivative inside reads its float32
-        value (cast outside, a computed mask ``x + (1 - m) * -1e9`` read by a half ``mul`` in
-        a ``scan`` gave ``grad(rewrite(f))`` float16 gradients 100% off float32)."""
+        holding one) reads as they are: cast at their readers (XLA hoists it), cotangents not
+        summed in half over trips. Per-trip operands, literals and clamped constants are cast
+        outside; a big value is pinned inside (``ScopeRec.big_outputs``)."""
         per_trip = set(ho.per_trip_positions(rec.layout))
         out = list(wanted)
         for i, (a, d) in enumerate(zip(eqn.invars, wanted, strict=True)):
             if d is None or i in per_trip or not is_f32(a.aval.dtype) or is_f32(d):
                 continue
-            saturates = _clamped(rec, i) or jc.is_literal(a)
-            if not saturates and is_f32(jnp.result_type(read(a))):
+            if not (_clamped(rec, i) or jc.is_literal(a)) and is_f32(jnp.result_type(read(a))):
                 out[i] = None  # handed in as it is; cast inside by its readers
         return out
 
