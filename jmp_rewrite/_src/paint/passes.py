@@ -25,6 +25,7 @@ from jmp_rewrite._src.paint.additions import (
     keep_unrun_loop_carries_float32,
     release_saturated_powers,
 )
+from jmp_rewrite._src.paint.norms import compute_normalizations_float32
 from jmp_rewrite._src.paint.painting import (
     ALLOW,
     CLEAR,
@@ -216,6 +217,7 @@ def paint(
         add_infer_to_allow_if_follow_allow(g, p)
     propagate_allow_through_clear(g, p)
     remove_allow_without_float32(g, p)
+    compute_normalizations_float32(g, p)
     keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
