@@ -2,7 +2,8 @@
 
 Each pass is a function named after, and citing, the grappler pass it reproduces
 (``tensorflow/core/grappler/optimizers/auto_mixed_precision.cc``, TF 2.21). They run in TF's
-order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint.additions`) first; the
+order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint.additions`) first (but
+:mod:`jmp_rewrite._src.paint.norms`, after them, and the read/unit/big passes at the end); the
 result, a :class:`~jmp_rewrite._src.paint.painting.Painting`, records for every node whether it is
 painted half precision ("allow") and which pass decided that. No pass changes the graph.
 """
