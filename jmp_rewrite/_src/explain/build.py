@@ -20,6 +20,7 @@ from jax.typing import DTypeLike
 
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
+from jmp_rewrite._src.emit import attention as attention_emit
 from jmp_rewrite._src.emit.emitter import Emitter, Hooks
 from jmp_rewrite._src.emit.facts import dtypes_after, equation_facts
 from jmp_rewrite._src.explain import html as explain_html
@@ -281,6 +282,7 @@ def _equation(
     fused = chosen.of_node(n.id) if chosen is not None else None
     if fused is not None and n.id == fused.scope.eqns[fused.core.pv].node:
         extra["attention_saved"] = fused.saved_bytes
+        extra["attention_tpu"] = fused.tpu
     if accumulates:  # a half carry adding to itself: named by its addition's line
         extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
@@ -355,8 +357,9 @@ def explain(
       level: as in :func:`jmp_rewrite.rewrite`.
       infer_follows_allow: as in :func:`jmp_rewrite.rewrite` (default True).
       residuals: measure the bytes saved for the backward pass of ``fun`` (traces its VJP
-        twice). Skipped anyway when ``fun`` already contains a backward pass (a train
-        step), where the figure would describe differentiating the optimizer.
+        twice; a fused attention as the default backend runs it). Skipped anyway when
+        ``fun`` already contains a backward pass (a train step), where the figure would
+        describe differentiating the optimizer.
       fp8: as in :func:`jmp_rewrite.rewrite` (None: the rewrite's own, else off); float8
         matmuls show with their formats (``EquationReport.float8``) and the summary splits
         the FLOPs into float8 / bfloat16 / float32.
@@ -424,7 +427,8 @@ def explain(
     if not residuals or has_backward:
         return report
     before = _residual_bytes(fun, args, kwargs)
-    after = _residual_bytes(fn, args, kwargs) if before is not None else None
+    with attention_emit.one_platform(jax.default_backend()):  # this platform's attention
+        after = _residual_bytes(fn, args, kwargs) if before is not None else None
     return dataclasses.replace(
         report, residual_bytes_float32=before, residual_bytes_rewritten=after
     )

@@ -250,7 +250,8 @@ class Finding:
         ``float8_shape`` (under ``fp8=True``, a weight GEMM left bfloat16 only because of its
         shape), ``float8_none`` (under ``fp8=True``, no matmul runs in float8) or
         ``attention_unfused`` (under ``fuse_attention=True``, an attention left as written,
-        with the reason).
+        with the reason) or ``attention_tpu_unfused`` (a fused attention that a TPU runs as
+        written: JAX's TPU kernel cannot take it, the reason given).
       message: one line for a person.
       scope: the model scope of (the first of) the equations concerned.
       source: their user source line (``file:line``), or ``""``.
@@ -399,23 +400,38 @@ def _float8_none(report: ReportData) -> list[Finding]:
 
 
 def _unfused_attention(report: ReportData) -> list[Finding]:
-    """Under ``fuse_attention=True``: each attention left as written, and why."""
+    """Under ``fuse_attention=True``: each attention left as written, and why; each fused
+    one that a TPU runs as written (its kernel cannot take it), and why."""
+    kinds = [
+        (
+            "attention_unfused",
+            "is not fused (its {} values matmul stays as written): ",
+            "write it as softmax(scale * q k^T + bias, masked) v, or leave it as it is",
+            "none: an attention left as written computes what it did",
+        ),
+        (
+            "attention_tpu_unfused",
+            "is fused on CUDA and elsewhere, but a TPU runs it as written (its {} values "
+            "matmul as without fuse_attention): ",
+            "none needed; the kernel takes causal and per-token masks, per-token or full-size "
+            "biases, and keeps less from about 1024 tokens",
+            "none: on a TPU it computes what the unfused rewrite computes",
+        ),
+    ]
     return [
         Finding(
-            kind="attention_unfused",
-            message=(
-                f"attention{_where(e.scope, e.source)} is not fused (its {e.phase} values "
-                f"matmul stays as written): {e.attention_left}"
-            ),
+            kind=kind,
+            message=f"attention{_where(e.scope, e.source)} {what.format(e.phase)}{why}",
             scope=e.scope,
             source=e.source,
             equations=(e.path,),
             flops=e.flops,
-            change="write it as softmax(scale * q k^T + bias, masked) v, or leave it as it is",
-            risk="none: an attention left as written computes what it did",
+            change=change,
+            risk=risk,
         )
+        for kind, what, change, risk in kinds
         for e in report.equations
-        if e.attention_left
+        if (why := e.attention_left if kind == "attention_unfused" else e.attention_tpu)
     ]
 
 
