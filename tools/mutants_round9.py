@@ -41,6 +41,10 @@ mutants name the test that caught them; survivors keep their guessed files. The 
 of ``r9_ranked_all_operands_derived`` was corrected after probing (argsort is not affected;
 a sort with a float payload is).
 
+Re-scored 2026-12-02 (branch pins10): a test was added for each of the six survivors (and
+``r9_hand_on_eager`` now names the same forward-jaxpr test as ``r9_value_forces_stand_in``);
+every mutant names the test that catches it: 20 of 20 caught (``runs/mutants_round9.md``).
+
 Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round9 -j 1``.
 """
 
