@@ -171,6 +171,19 @@ def _float8_dot_in(jaxpr: Any) -> bool:
     )
 
 
+def _platform_branch(eqn: Any, platform: str) -> list[Any]:
+    """Of a ``lax.platform_dependent`` (a ``cond`` whose branches name their platforms), the
+    one branch this backend runs, as a one-element list; else ``[]``. (Fused attention's
+    CUDA, TPU and default attentions are alternatives, not work done three times.)"""
+    chosen = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if not chosen:
+        return []
+    index = next((i for i, ps in enumerate(chosen) if ps and platform in ps), None)
+    if index is None:
+        index = next((i for i, ps in enumerate(chosen) if ps is None), None)
+    return [] if index is None else [eqn.params["branches"][index].jaxpr]
+
+
 def matmul_structure(jaxpr: Any) -> dict[str, Any]:
     """Matmul/conv equations and FLOPs of a traced step, and how many run in half precision.
 
@@ -194,6 +207,7 @@ def matmul_structure(jaxpr: Any) -> dict[str, Any]:
         0,
     )
     top = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
+    here = {"gpu": "cuda"}.get(jax.default_backend(), jax.default_backend())
     stack = [(top, False, False)]
     while stack:
         scope, outer_region, emulation = stack.pop()
@@ -203,6 +217,7 @@ def matmul_structure(jaxpr: Any) -> dict[str, Any]:
             subs = _sub_jaxprs(eqn)
             # the branches of a float8 GEMM's platform_dependent: the emulation is not counted
             choice = eqn.primitive.name == "cond" and any(map(_float8_dot_in, subs))
+            subs = subs if choice else _platform_branch(eqn, here) or subs
             stack.extend((sub, region, choice or emulation) for sub in subs)
             if eqn.primitive.name not in MATMULS:
                 continue

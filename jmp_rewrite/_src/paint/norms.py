@@ -10,10 +10,9 @@ activations, and the normalized output is rounded to half once for its half read
 
 from __future__ import annotations
 
-import math
-
 from jmp_rewrite._src.paint.painting import ALLOW, Painting
 from jmp_rewrite._src.trace.graph import Graph, Node
+from jmp_rewrite._src.trace.shapes import size_less
 
 #: What a statistic reaches its product through: data movement and casts.
 _MOVES = frozenset(
@@ -24,9 +23,9 @@ _STATISTICS = "keep_normalization_statistics_float32"
 _WHY = "compute_normalizations_float32"
 
 
-def _size(n: Node) -> int:
-    shape = getattr(n.eqn.outvars[0].aval, "shape", ()) if n.eqn is not None else ()
-    return math.prod(shape)
+def _shape(n: Node) -> tuple:
+    """``n``'s output shape (dimensions may be symbolic: compared by ``shapes.size_less``)."""
+    return tuple(getattr(n.eqn.outvars[0].aval, "shape", ())) if n.eqn is not None else ()
 
 
 def _through_moves(g: Graph, i: int) -> int:
@@ -40,14 +39,14 @@ def _through_moves(g: Graph, i: int) -> int:
 def _statistic_users(g: Graph, root: int) -> set[int]:
     """``root`` (an rsqrt) and the values of its size or smaller computed from it alone or with
     parameters through products and moves (``rsqrt(var) * scale``, its broadcast)."""
-    small = _size(g.nodes[root])
+    small = _shape(g.nodes[root])
     found, todo = {root}, [root]
     while todo:
         for c in g.nodes[todo.pop()].fanout:
             n = g.nodes[c]
             if c in found or n.eqn is None or n.backward:
                 continue
-            if n.key in _MOVES or (n.key == "mul" and _size(n) <= small):
+            if n.key in _MOVES or (n.key == "mul" and not size_less(small, _shape(n))):
                 found.add(c)
                 todo.append(c)
     return found
@@ -126,10 +125,10 @@ def _normalization(g: Graph, p: Painting, root: int) -> set[int]:
     if not forward:
         return forward
     params -= forward
-    return forward | _backward(g, users | params, xs | forward, _size(g.nodes[root]))
+    return forward | _backward(g, users | params, xs | forward, _shape(g.nodes[root]))
 
 
-def _backward(g: Graph, factors: set[int], values: set[int], small: int) -> set[int]:
+def _backward(g: Graph, factors: set[int], values: set[int], small: tuple) -> set[int]:
     """The normalization's backward pass in a program holding it (``rewrite(grad(f))``),
     found from what it reads: the cotangent's products by the statistic or the affine's
     parameters (``factors``: ``ct * rsqrt``, ``ct * scale``), the products of what they lead
@@ -143,7 +142,7 @@ def _backward(g: Graph, factors: set[int], values: set[int], small: int) -> set[
         return any(f in ids or _through_moves(g, f) in ids for f in n.fanin)
 
     def product(n: Node) -> bool:
-        return n.backward and n.key == "mul" and n.float32 and _size(n) > small
+        return n.backward and n.key == "mul" and n.float32 and size_less(small, _shape(n))
 
     entries = {n.id for n in g.nodes if product(n) and reads(n, factors)}
     ahead: set[int] = set()
@@ -201,7 +200,7 @@ def _affine(g: Graph, product: int) -> list[int]:
         if c.key not in ("mul", "add") or c.backward or not c.float32 or len(c.fanin) != 2:
             break
         other = next((f for f in c.fanin if f != v), None)
-        if other is None or _size(g.nodes[_through_moves(g, other)]) >= _size(n):
+        if other is None or not size_less(_shape(g.nodes[_through_moves(g, other)]), _shape(n)):
             break
         out.append(c.id)
         v = c.id
