@@ -140,7 +140,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "its readers inside, where it is not clamped: -inf in float16, NaN after a softmax",
         survives="equivalent (argued and probed after scoring, runs/mutants_round10.md): the "
         "body's readers see the operand's frozen origin and clamp it as the outside cast did, "
-        "and a frozen value has no cotangent; only where the one cast sits differs (XLA hoists)",
+        "and a frozen value has no cotangent; only where the casts sit differs (XLA hoists)",
     ),
     _m(
         "r10_big_outputs_backward_only",
