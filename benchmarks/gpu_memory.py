@@ -39,7 +39,9 @@ chip's HBM is refused at compile time (``CompileTimeHbmOom``): it is reported as
 fit (needs X GiB)", X read from XLA's message. ``float8_dots`` counts the dots and
 convolutions of the optimised HLO with a float8 operand (fused or not) and
 ``float8_upcasts`` the converts from float8 to a wider type: float8 GEMMs kept by XLA:TPU
-show in the former, emulated ones in the latter. The TPU default is ``f32``, ``rw-bf16``,
+show in the former, emulated ones in the latter; ``tpu_kernel_calls`` counts the Mosaic
+custom calls (``tpu_custom_call``: ``rw-bf16-fused``'s flash-attention kernels, three per
+attention with its backward). The TPU default is ``f32``, ``rw-bf16``,
 ``hand-bf16``, ``rw-fp8`` and ``rw-bf16-fused`` (float16 is no TPU type). The steps are
 rewritten with ``dtype=jnp.bfloat16`` given explicitly, so that every target compiles the same
 program (``dtype=None`` decides where the program is lowered: bfloat16 for a TPU here too).
@@ -146,6 +148,8 @@ PAIRS = {
 FUSED = {"rw-bf16-fused": "rw-bf16", "rw-f16-lso-fused": "rw-f16-lso"}
 #: cuDNN's fused attention calls (forward, backward; with or without a bias).
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha\w*"')
+#: Mosaic (Pallas) TPU kernels: the TPU flash attention's forward, dK/dV and dQ kernels.
+_MOSAIC = re.compile(r'custom_call_target="tpu_custom_call"')
 #: cuBLASLt's float8 GEMM in optimised XLA:GPU HLO; a Triton GEMM fusion fed float8 operands.
 _F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
 _F8_TRITON = re.compile(r"^.*\bfusion\(.*\bf8e\w*\[.*__triton_gemm.*$", re.MULTILINE)
@@ -244,6 +248,7 @@ def hlo_stats(text: str) -> dict[str, int]:
     stats["float8_gemms"] = len(_F8_GEMM.findall(text))
     stats["float8_triton_fusions"] = len(_F8_TRITON.findall(text))
     stats["fused_attention_calls"] = len(_FMHA.findall(text))
+    stats["tpu_kernel_calls"] = len(_MOSAIC.findall(text))
     stats.update(float8_stats(comps))
     return stats
 
@@ -406,7 +411,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def fused_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Peak memory and bytes moved of each fused variant over the unfused rewrite."""
+    """Peak memory and bytes moved of each fused variant over the unfused rewrite (and
+    temporaries, where both have them)."""
     out = {}
     for fused, plain in FUSED.items():
         a, b = variants.get(fused, {}), variants.get(plain, {})
@@ -415,6 +421,8 @@ def fused_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, flo
                 "peak": a["peak_bytes"] / b["peak_bytes"],
                 "moved": a["bytes_moved"] / b["bytes_moved"],
             }
+            if a.get("temp_bytes") is not None and b.get("temp_bytes"):
+                out[f"{fused}/{plain}"]["temp"] = a["temp_bytes"] / b["temp_bytes"]
     return out
 
 
@@ -499,6 +507,13 @@ def print_tpu_table(result: dict[str, Any]) -> None:
         "\nXLA's estimate: optimal_seconds, XLA:TPU's cost model of the step (not a timing); "
         "none: the model answered a negative time (shown), no estimate for that chip."
     )
+    for m in result["models"].values():
+        for key, r in m["variants"].items():
+            if r.get("tpu_kernel_calls"):
+                print(f"{m['key']} {key}: {r['tpu_kernel_calls']} Mosaic TPU kernel calls")
+        for name, f in m.get("fused_ratios", {}).items():
+            temp = f" temporaries {f['temp']:.3f}x," if "temp" in f else ""
+            print(f"{m['key']} {name}: peak {f['peak']:.3f}x,{temp} bytes moved {f['moved']:.3f}x")
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -309,6 +309,8 @@ def render(p: Painted) -> list[str]:
             number = e.attention.split(":")[0].rsplit(" ", 1)[-1]
             saved = f" saves {e.attention_saved:,} B" if e.attention_saved else ""
             extra.append(f"att#{number}{saved}")
+            if e.attention_tpu:
+                extra.append(f"att-tpu-left {e.attention_tpu}")
         elif e.attention_left:
             extra.append(f"att-left {e.attention_left}")
         if e.flops:

@@ -910,3 +910,41 @@ def test_compare_checks_the_fused_outputs_not_the_equations_replaced():
     assert not any(e.primitive in ("exp", "reduce_max") for e in c.equations)
     plain = jmp_rewrite.compare(grad, q, k, v, PAD, dtype=BF16)
     assert any(e.primitive == "exp" for e in plain.equations)
+
+
+def test_cudnn_masks_the_key_added_to_an_odd_length_by_its_sequence_length(cudnn_args):
+    """ViT's 197 tokens: cuDNN gets keys padded to 198 with key lengths ``[197, 197]``, so
+    the added zero key is masked and the output is the unpadded attention's (the cuDNN
+    branch called eagerly; the recorder runs JAX's own attention on its arguments)."""
+    import types
+
+    rng = np.random.default_rng(23)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 197, 2, 16)), BF16) for _ in range(3))
+    core = types.SimpleNamespace(scale=0.25, causal=False)
+    out = attention_emit._dpa("cudnn", core, BF16, q, k, v, None, None)
+    (call,) = cudnn_args
+    assert call["k"].shape == (2, 198, 2, 16)
+    np.testing.assert_array_equal(np.asarray(call["key_value_seq_lengths"]), [197, 197])
+    assert out.shape == q.shape and out.dtype == BF16
+    ref = jax.nn.dot_product_attention(q, k, v, scale=0.25)
+    assert _rel(out, ref) < 1e-2
+
+
+def test_causal_attention_with_a_minus_inf_fill_and_left_padding_gives_float32s_nan_rows():
+    """Causal attention, ``-inf`` fill, sequence 1 left-padded by 3: its first three query
+    rows have no key (their causal keys are all padding). float32 gives NaN there and only
+    there; so does the fused attention (the guard combines the mask with the causal one)."""
+    q, k, v = _qkv(24)
+    pad = jnp.ones((B, T), bool).at[1, :3].set(False)
+
+    def att(q, k, v, pad):
+        keep = TRIL[None, None] & pad[:, None, None, :]
+        return _out(jax.nn.softmax(jnp.where(keep, _einsum(q, k) / 4.0, -jnp.inf)), v)
+
+    ref = jax.jit(att)(q, k, v, pad)
+    got = jax.jit(jmp_rewrite.rewrite(att, dtype=BF16, fuse_attention=True))(q, k, v, pad)
+    rows = lambda o: sorted(zip(*np.nonzero(np.isnan(np.asarray(o, np.float32)).any((2, 3)))))  # noqa: E731
+    assert rows(ref) == [(1, 0), (1, 1), (1, 2)]
+    assert rows(got) == rows(ref)
+    keep = ~np.isnan(np.asarray(ref))
+    assert _rel(np.asarray(got, np.float32)[keep], np.asarray(ref)[keep]) < 2e-2

@@ -92,6 +92,12 @@ def test_fused_attention_calls_are_counted():
     bwd = fmha.replace("fmhaSoftmax", "fmhaScaleBiasSoftmaxBackward").replace(".1 ", ".2 ")
     assert gpu_memory.hlo_stats(HLO + fmha + bwd)["fused_attention_calls"] == 2
     assert gpu_memory.hlo_stats(HLO)["fused_attention_calls"] == 0
+    mosaic = (
+        "  %custom-call.7 = bf16[2,2,128,32]{3,2,1,0} custom-call(bf16[2,2,128,32]{3,2,1,0} "
+        '%q), custom_call_target="tpu_custom_call", backend_config={}\n'
+    )
+    assert gpu_memory.hlo_stats(HLO + mosaic * 3)["tpu_kernel_calls"] == 3
+    assert gpu_memory.hlo_stats(HLO + fmha)["tpu_kernel_calls"] == 0
     variants = {
         "rw-bf16": {"peak_bytes": 100, "bytes_moved": 200},
         "rw-bf16-fused": {"peak_bytes": 50, "bytes_moved": 120},
@@ -249,6 +255,28 @@ def test_tpu_smoke_run(tmp_path):
         assert rec["bytes_accessed"] > 0 and rec["converts"] > 0, rec
     assert set(gpt["ratios"]) == set(gpt["estimate_ratios"]) == {"rw-bf16/hand-bf16"}
     assert "| gpt | rw-bf16 |" in stdout and "XLA's estimate" in stdout
+
+
+@pytest.mark.skipif(
+    not _has_libtpu(),
+    reason="libtpu is not installed in this environment (a TPU compile needs it)",
+)
+def test_tpu_fused_attention_smoke_run(tmp_path):
+    """``rw-bf16-fused`` compiled for a v5p at toy sizes (T16). There the TPU kernel would
+    keep more than the written-out attention (its tiles are 128 wide), so the TPU runs the
+    attention as written: no Mosaic call, and the script reports the temporaries' ratio.
+    (``tests/test_tpu_attention.py`` compiles the kernel at T1024; the full-size figures are
+    in docs/benchmarks.md.)"""
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    out = tmp_path / "tpu_memory.json"
+    result, stdout = run_script(
+        "gpu_memory.py", out, "--target", "v5p", "--models", "gpt", "--variants", "rw-bf16",
+        "rw-bf16-fused",
+    )  # fmt: skip
+    gpt = result["models"]["gpt"]
+    assert [r["tpu_kernel_calls"] for r in gpt["variants"].values()] == [0, 0], gpt["variants"]
+    assert set(gpt["fused_ratios"]["rw-bf16-fused/rw-bf16"]) == {"peak", "moved", "temp"}
+    assert "gpt rw-bf16-fused/rw-bf16: peak" in stdout and "temporaries" in stdout
 
 
 def test_tpu_negative_estimate_is_no_estimate():

@@ -529,3 +529,28 @@ def test_the_gradient_through_a_big_value_read_in_a_loop_is_the_unrolled_loops()
         assert g.dtype == jnp.float32
         assert _rel(p, r) < 1e-2  # the unrolled steps: float32's gradient, rounded
         assert _rel(g, r) <= 2 * _rel(p, r) + 1e-3
+
+
+def test_a_forward_pass_through_a_moved_fill_binds_no_float32_copy_of_it():
+    """The float32 stand-in of a saturated fill moved by a concatenate is made only when a
+    derivative reads it: a forward pass whose readers are a max and a sum binds no float32
+    ``concatenate`` (and no float32 ``select_n``) and gives float32's value."""
+
+    def f(x, w):
+        s = x @ w
+        t = jnp.concatenate([s, jnp.full((4, 2), -1e9)], axis=1)
+        return jnp.max(t, axis=-1).sum()
+
+    x, w = (
+        jnp.asarray(np.random.default_rng(s).standard_normal((n, 8)), jnp.float32)
+        for s, n in ((40, 4), (41, 8))
+    )
+    closed = jax.make_jaxpr(jr.rewrite(f, dtype=jnp.float16))(x, w)
+    f32_moves = [
+        str(e.primitive)
+        for e in closed.jaxpr.eqns
+        if str(e.primitive) in ("concatenate", "select_n")
+        and any(getattr(o.aval, "dtype", None) == jnp.float32 for o in e.outvars)
+    ]
+    assert f32_moves == []
+    np.testing.assert_allclose(jr.rewrite(f, dtype=jnp.float16)(x, w), f(x, w), rtol=1e-2)

@@ -257,42 +257,12 @@ def check(program: Program, dtype: Any) -> None:
 #: fail the generated-program test; each entry needs a shrunk counterexample below marked
 #: ``xfail(strict=True)``. Delete the entry and the mark when the fix merges. Round 4's five
 #: (issue 21 items 1, 2, 3 and 8, and the leading-axes state of issue 22) are fixed.
-KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {
-    # Found by issue 28's draws (branch boundaries; it fails on main too): a batch norm's
-    # centring ``h - mean`` runs in half (Flax's BatchNorm promotes it to float32), and after
-    # attention averages rows the batch-normalised columns amplify that rounding: float16
-    # ``h`` 3.1x the reference + 2u (bound 3x) in a six-block network under vmap. The family
-    # of issue 28 item 2's design (ii): the elementwise chain into a norm kept float32.
-    # Checked (branch pins): moving sub to deny gives h 0.0059 (reference 0.0055); keeping
-    # the output's ``h - mean`` float32 beside the statistics (a sub reading a kept mean)
-    # gives 0.0053, but then TF's pass 3 no longer paints the normalized activations half
-    # (the kept sub cuts their path between allow ops): the fix needs the kept centring to
-    # spread nothing, as the statistics do.
-    "norm_centring_in_half": lambda program, name, problem: (
-        name == "h"
-        and "off float64" in problem
-        and program.transform.startswith("vmap")
-        and any(isinstance(b, Norm) and b.kind == "batch" for b in program.blocks)
-    ),
-    # Named for its first counterexample (grad_inner through a cond copy of the scale ``s``
-    # and an RMS norm in a custom_vjp: the gradients of b and w0 0.0045 off float64 where
-    # the reference is 0.0007), but the copy and the custom_vjp play no part: shrunk, it is
-    # ``tanh(x @ w0 + b)`` read by an RMS norm, in both orders (grad_b 0.0030 / 0.0035 where
-    # the reference is 0.0006; gelu or relu 0.0004, passing). tanh is half after its matmul
-    # (TF's lists), and its derivative ``(1 + ans) * (1 - ans)`` (JAX's rule reads the
-    # output) cancels where |ans| nears 1: the output's rounding, u, becomes u / (1 - |ans|);
-    # moving tanh to deny gives 0.00069. Only the norm's backward pass makes the cotangent
-    # sensitive enough for the oracle to see it.
-    "grad-inner-cond-copy": lambda program, name, problem: (
-        program.transform.startswith("grad")
-        and "off float64" in problem
-        and any(isinstance(b, Dense) and b.act == "tanh" for b in program.blocks)
-        and any(isinstance(b, Norm) and b.kind == "rms" for b in program.blocks)
-    ),
-}
+KNOWN_BUGS: dict[str, Callable[[Program, str, str], bool]] = {}
 
-#: The counterexample of ``norm_centring_in_half`` (shrunk: without any one block, or the
-#: two-step scan, it passes).
+#: The counterexample of the fixed ``norm_centring_in_half`` (a batch norm's centring in
+#: half: float16 ``h`` 3.1x the reference; fixed by ``paint/norms.py``, which computes the
+#: centring, the product by the statistic and the affine in float32, spreading nothing).
+#: Shrunk: without any one block, or the two-step scan, it passed.
 NORM_CENTRING = Program(
     blocks=(
         Dense(act="gelu"),
@@ -435,7 +405,6 @@ COUNTEREXAMPLES = [
         ),
         F16,
         id="grad-inner-cond-copy-f16",
-        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['grad-inner-cond-copy']"),
     ),
     # found by the loop-cotangent round's draws: under vmap a cond of a batched predicate is
     # a select_n of both branches' results; with the nonlinear ``square`` update (no linear
@@ -461,11 +430,10 @@ COUNTEREXAMPLES = [
         F16,
         id="vmap-cond-square-state-f16",
     ),
-    pytest.param(  # the same, shrunk: the tanh's derivative from its half output
+    pytest.param(  # the same, shrunk: tanh(x @ w + b) read by an RMS norm
         Program((Dense("matmul", "tanh"), Norm("rms")), transform="grad_outer"),
         F16,
         id="grad-tanh-into-rms-norm-f16",
-        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['grad-inner-cond-copy']"),
     ),
     # a zero-trip loop handed on its float32 init rounded through half (item 2, fixed)
     pytest.param(Program((Copy("x", "scan0"),)), F16, id="item2-scan0-f16"),
@@ -541,7 +509,6 @@ COUNTEREXAMPLES = [
         NORM_CENTRING,
         F16,
         id="known-norm-centring-f16",
-        marks=pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['norm_centring_in_half']"),
     ),
     # issue 29: a while loop that never runs (a literal counter), with a PRNG key carry its
     # condition does not read, handed x out rounded through half (the key made the loop's

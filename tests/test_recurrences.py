@@ -616,3 +616,92 @@ def test_a_carry_read_through_a_nonlinear_op_keeps_tfs_colours(dtype, fun, reade
     )
     (finding,) = [f for f in report.lint() if f.kind == "half_carry"]
     assert finding.equations == ("scan/carry",)
+
+
+def _ranked(fun: Any, *args: Any) -> list[tuple[str, str, str]]:
+    """The float16 painting's ``(key, colour, painted_by)`` of each equation the ranked-scores
+    pass paints."""
+    return [
+        (e.key, e.colour, e.painted_by)
+        for e in jmp_rewrite.paint(fun, *args, dtype=F16)
+        if e.painted_by == "keep_ranked_scores_float32"
+    ]
+
+
+def _log_softmax(fun: Any, *args: Any) -> list[tuple[str, str]]:
+    paint = jmp_rewrite.paint(fun, *args, dtype=F16)
+    return [(e.colour, e.painted_by) for e in paint if e.key == "jit:log_softmax"]
+
+
+RANK_ARGS = (f32(30, 16, 32, scale=0.5), f32(31, 2, 4, 16, scale=0.5))
+
+
+def beam_sort_payload(w: jax.Array, h0: jax.Array) -> jax.Array:
+    """A beam search whose candidates are sorted with a float payload:
+    ``lax.sort((-cand, payload), num_keys=1)``; the payload is no score."""
+    b, k, _ = h0.shape
+
+    def body(t, c):
+        scores, h = c
+        logp = jax.nn.log_softmax(jnp.tanh(h) @ w + 0.1, axis=-1)  # (B, K, V)
+        cand = (scores[:, :, None] + logp).reshape(b, -1)
+        pay = jnp.broadcast_to(jnp.tanh(h).sum(-1, keepdims=True), logp.shape).reshape(b, -1)
+        neg, p = lax.sort((-cand, pay), num_keys=1)
+        return -neg[:, :k], h + p[:, :k, None]
+
+    return lax.fori_loop(0, 6, body, (jnp.zeros((b, k)), h0))[0]
+
+
+def test_a_sort_of_the_scores_with_a_float_payload_ranks_them():
+    """A sort ranks the scores when any of its operands is the running score: a float
+    payload sorted along (not derived from the scores) does not hide the ranking, and the
+    log-probabilities added to the scores stay float32 (as a careful hand-written search
+    computes them)."""
+    assert _log_softmax(beam_sort_payload, *RANK_ARGS) == [
+        ("float32", "keep_ranked_scores_float32")
+    ]
+
+
+def greedy_decoder(w: jax.Array, e: jax.Array, h0: jax.Array) -> jax.Array:
+    """A greedy decoder summing its log-probability in a float32 carry: the argmax ranks
+    the logits, nothing ranks the sum."""
+    b, k, _ = h0.shape
+
+    def body(t, c):
+        total, h = c
+        logp = jax.nn.log_softmax(jnp.tanh(h) @ w + 0.1, axis=-1)
+        tok = jnp.argmax(logp, axis=-1)
+        total = total + jnp.take_along_axis(logp, tok[..., None], -1)[..., 0]
+        return total, e[tok] + h
+
+    return lax.fori_loop(0, 6, body, (jnp.zeros((b, k)), h0))[0]
+
+
+def test_a_selection_that_ranks_something_else_keeps_no_increment_float32():
+    """The pass keeps float32 only what a selection ranks: a greedy decoder's argmax ranks
+    the logits, not the float32 sum of the chosen log-probabilities, so nothing is painted
+    by ``keep_ranked_scores_float32`` and the log-softmax keeps TF's colour (half, as
+    ``docs/guides/lists.md`` keeps only a *ranked* score's increments float32)."""
+    args = (RANK_ARGS[0], f32(32, 32, 16, scale=0.5), RANK_ARGS[1])
+    assert _ranked(greedy_decoder, *args) == []
+    assert [c for c, _ in _log_softmax(greedy_decoder, *args)] == ["allow"]
+
+
+def viterbi(w: jax.Array, h0: jax.Array) -> jax.Array:
+    """A two-state Viterbi: each state's score the maximum of two paths'
+    ``jnp.maximum(s0 + a, s1 + b)``."""
+    x = jnp.tanh(h0[:, 0])
+
+    def body(t, s):
+        emit = jax.nn.log_softmax(x @ w[:, :2] + t * 0.01, axis=-1)  # (B, 2)
+        a = jnp.maximum(s[:, 0] + emit[:, 0], s[:, 1] + emit[:, 1])
+        b = jnp.maximum(s[:, 0] - 0.5 + emit[:, 1], s[:, 1] - 0.1 + emit[:, 0])
+        return jnp.stack([a, b], -1)
+
+    return lax.fori_loop(0, 6, body, jnp.zeros((h0.shape[0], 2)))
+
+
+def test_a_viterbi_maximum_of_two_paths_ranks_the_scores():
+    """``maximum(s0 + a, s1 + b)``, both operands of the chain, ranks the scores (the
+    pass's docstring's second case): the emissions' log-softmax stays float32."""
+    assert _log_softmax(viterbi, *RANK_ARGS) == [("float32", "keep_ranked_scores_float32")]

@@ -1040,7 +1040,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain_view.tensor_core_symbolic_flagged",
-        "explain/view.py",
+        "explain/lint.py",
         "shape_lib.multiple_of(d, TENSOR_CORE_MULTIPLE) is False",
         "d % TENSOR_CORE_MULTIPLE",
         T_SYM + "test_explain_symbolic_sequence_and_scan_length",
@@ -1238,7 +1238,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     _m(
         "explain_view.no_gradient_underflow_lint",
-        "explain/view.py",
+        "explain/lint.py",
         "        _gradient_underflow(report)\n        + _half_carries(report)",
         "        _half_carries(report)",
         "tests/test_gradient_underflow.py::test_lint_names_a_float16_backward_pass_without_loss_scaling",

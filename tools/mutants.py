@@ -85,7 +85,7 @@ BROAD: dict[str, tuple[str, ...]] = {
     "jmp_rewrite/_src/fp8.py": ("tests/test_fp8.py",),
     **{
         "jmp_rewrite/_src/" + m: ("tests/test_explain.py", "tests/test_explain_view.py")
-        for m in ("explain/build.py", "explain/report.py", "explain/view.py")
+        for m in ("explain/build.py", "explain/report.py", "explain/view.py", "explain/lint.py")
     },
     **{
         "jmp_rewrite/_src/" + m: ("tests/test_compare.py",)

@@ -41,6 +41,10 @@ mutants name the test that caught them; survivors keep their guessed files. The 
 of ``r9_ranked_all_operands_derived`` was corrected after probing (argsort is not affected;
 a sort with a float payload is).
 
+Re-scored 2026-12-02 (branch pins10): a test was added for each of the six survivors (and
+``r9_hand_on_eager`` now names the same forward-jaxpr test as ``r9_value_forces_stand_in``);
+every mutant names the test that catches it: 20 of 20 caught (``runs/mutants_round9.md``).
+
 Run: ``.venv/bin/python tools/mutants.py --list-module tools.mutants_round9 -j 1``.
 """
 
@@ -73,7 +77,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "paint/recurrences.py",
         "_RANKINGS and any(ls.cycle & g.nodes[f].origin.derived for f in n.fanin):",
         "_RANKINGS and all(ls.cycle & g.nodes[f].origin.derived for f in n.fanin):",
-        (T_REC,),
+        "tests/test_recurrences.py::test_a_sort_of_the_scores_with_a_float_payload_ranks_them",
         "all for any: a sort of several float operands (the candidates' scores with a float "
         "payload: lax.sort((-cand, payload), num_keys=1)) ranks the scores only when every "
         "operand derives from the carries, so such a beam search keeps its increments half "
@@ -85,7 +89,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "        if n.key in _RANKINGS and any(ls.cycle & g.nodes[f].origin.derived"
         " for f in n.fanin):",
         "        if n.key in _RANKINGS:",
-        (T_REC,),
+        "tests/test_recurrences.py::test_a_selection_that_ranks_something_else_keeps_no_increment_float32",
         "the condition that the ranking reads the carry's chain dropped: any argmax or max in "
         "the body (a sampling loop's argmax of the logits, a softmax's max) makes a float32 "
         "accumulator's increments float32 from the matmuls on, though nothing ranks it",
@@ -95,7 +99,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "paint/recurrences.py",
         '        if n.key in ("max", "min") and len([f for f in n.fanin if f in members]) >= 2:',
         '        if n.key in ("max", "min") and len([f for f in n.fanin if f in members]) > 2:',
-        (T_REC,),
+        "tests/test_recurrences.py::test_a_viterbi_maximum_of_two_paths_ranks_the_scores",
         "off by one: a max/min has two operands, so maximum(s0 + a, s1 + b) (Viterbi's "
         "running maximum over two paths) never counts as ranking the scores",
     ),
@@ -145,7 +149,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "emit/attention.py",
         "        lengths = jnp.full((q.shape[0],), s, jnp.int32)",
         "        lengths = jnp.full((q.shape[0],), k.shape[1], jnp.int32)",
-        (T_ATT,),
+        "tests/test_fused_attention.py::test_cudnn_masks_the_key_added_to_an_odd_length_by_its_sequence_length",
         "the key lengths read after the padding: an odd-length sequence's added zero key is "
         "not masked, every query attends to it (weights and output change on CUDA)",
     ),
@@ -174,7 +178,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "emit/attention.py",
         "        keep = keep & jnp.tril(jnp.ones((out.shape[1], v4.shape[1]), bool))",
         "        keep = keep | jnp.tril(jnp.ones((out.shape[1], v4.shape[1]), bool))",
-        (T_ATT,),
+        "tests/test_fused_attention.py::test_causal_attention_with_a_minus_inf_fill_and_left_padding_gives_float32s_nan_rows",
         "| for &: with is_causal, a row whose only causal keys are padding (left padding) "
         "counts as having keys: with a -inf fill it gets the kernel's value, not float32's NaN",
     ),
@@ -227,7 +231,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "emit/tangents.py",
         "                self._of[id(out)] = (out, functools.partial(value, k))",
         "                self._of[id(out)] = (out, value(k))",
-        "tests/test_tf_patterns.py::test_t19_t31_casts[T19-Elu]",
+        "tests/test_mask_values.py::test_a_forward_pass_through_a_moved_fill_binds_no_float32_copy_of_it",
         "the float32 stand-in is computed at once: every forward pass through a cast or move "
         "of a saturated value binds a float32 copy of it (a float32 select_n in the jaxpr), "
         "read by no derivative",
@@ -237,7 +241,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "emit/tangents.py",
         "            return self._of[id(raw)][1]",
         "            return forced(self._of[id(raw)][1])",
-        (T_MASKS,),
+        "tests/test_mask_values.py::test_a_forward_pass_through_a_moved_fill_binds_no_float32_copy_of_it",
         "a stand-in is forced when a reader is emitted, not when a derivative reads it: a sum "
         "or a choice reading a pinned fill binds its float32 value in the forward pass",
     ),

@@ -1,8 +1,8 @@
 """Fused attention, ``rewrite(..., fuse_attention=True)``: which attentions are replaced.
 
 Each forward attention (:mod:`~jmp_rewrite._src.attention.match`) of a painted program is
-replaced by one ``jax.nn.dot_product_attention`` call (emitted by
-:mod:`~jmp_rewrite._src.emit.attention`: cuDNN's flash attention on CUDA, JAX's own
+replaced by one fused call (emitted by :mod:`~jmp_rewrite._src.emit.attention`: cuDNN's
+flash attention on CUDA, JAX's Pallas flash-attention kernel on a TPU, JAX's own attention
 elsewhere) when what it computes is what the program computes:
 
 * its intermediates (logits, probabilities) are read by nothing else: then it is the whole
@@ -18,7 +18,8 @@ Both matmuls must be painted half precision (never inside a ``float32_region``).
 masks may leave without keys (padding from the data) gets the value float32 gives it
 (uniform weights for a finite fill, NaN for ``-inf``) from outside the fused kernel. Every
 attention left as written has its reason (``AttentionSelection.left``), which
-``explain(...).lint()`` shows.
+``explain(...).lint()`` shows; so does every fused attention the TPU kernel cannot take
+(``FusedAttention.tpu``: a TPU runs it as written).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from jmp_rewrite._src import _jax_compat as jc
+from jmp_rewrite._src.attention import tpu as tpu_lib
 from jmp_rewrite._src.attention.joint import Unifier, forward_text, reference
 from jmp_rewrite._src.attention.layout import arrange, mask_value
 from jmp_rewrite._src.attention.match import Core, Unfused, match
@@ -62,6 +64,8 @@ class FusedAttention:
       label: where it is (the model scope) and what it is, for ``explain``.
       saved_bytes: bytes of the replaced equations' other outputs (the logits,
         probabilities and their cotangents), which the fused call never writes.
+      tpu: why the TPU flash-attention kernel cannot take it (a sentence; then a TPU runs
+        it as written), or ``""`` (:mod:`~jmp_rewrite._src.attention.tpu`).
     """
 
     core: Core
@@ -77,6 +81,7 @@ class FusedAttention:
     outputs: frozenset[int]
     label: str
     saved_bytes: int
+    tpu: str = ""
 
     def reads(self) -> list[Any]:
         """The scope atoms the fused call reads (queries, keys, values, masks, biases)."""
@@ -348,6 +353,7 @@ def select(graph: Any, painting: Any) -> AttentionSelection:
                     frozenset(outputs),
                     label,
                     int(saved),
+                    tpu_lib.refusal(core),
                 )
             )
             sel.add(sel.fused[-1])

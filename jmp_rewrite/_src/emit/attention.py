@@ -1,4 +1,4 @@
-"""Emitting a fused attention: ``jax.nn.dot_product_attention`` in place of its equations.
+"""Emitting a fused attention: one fused call in place of its equations.
 
 The queries, keys and values are moved to ``(batch, length, heads, head dim)`` and cast to
 the rewrite's half dtype (cuDNN refuses float32); masks and biases stay the small arrays they
@@ -6,10 +6,15 @@ broadcast from, moved to ``(batch|1, heads|1, queries|1, keys|1)``. On CUDA the 
 cuDNN's flash attention (``implementation='cudnn'``: a mask or bias broadcast over queries or
 keys is broadcast first, which cuDNN needs; a bias's finite values are clamped to the half
 range and cast, its infinities kept),
+on a TPU JAX's Pallas flash-attention kernel (:mod:`~jmp_rewrite._src.emit.tpu_attention`),
 elsewhere JAX's own (``'xla'``, whose logits are float32): the choice is made when the program
 is lowered (``lax.platform_dependent``), so one rewritten function runs on a CPU, compiles
-deviceless for an H100/H200 and runs on the card. The branch not taken is not lowered, nor
-are the values it would save for the backward pass.
+deviceless for an H100/H200 or a TPU and runs there. The branch not taken is not lowered, nor
+are the values it would save for the backward pass. An attention the TPU kernel cannot take
+(``FusedAttention.tpu``) runs on a TPU as written: its own equations, as the rewrite paints
+them, traced in the TPU branch (JAX's XLA attention there keeps 2.7x the temporaries of
+the written-out attention); ``rewrite(grad(f))`` then differentiates them with ``jax.vjp``
+as it does the fused call.
 
 In ``rewrite(grad(f))`` the forward call is differentiated on the spot (``jax.vjp``) and its
 VJP, kept with the scope's values, is called where the program's backward of the attention
@@ -26,8 +31,10 @@ float32 makes it (uniform for ``finfo.min``, NaN for ``-inf``), and so is its gr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -39,6 +46,7 @@ from jmp_rewrite._src import _jax_compat as jc
 from jmp_rewrite._src.attention.layout import arrange, mask_value, place
 from jmp_rewrite._src.attention.match import Core, Side
 from jmp_rewrite._src.attention.select import FusedAttention
+from jmp_rewrite._src.emit import tpu_attention
 from jmp_rewrite._src.emit.clamping import clamp
 from jmp_rewrite._src.emit.custom_rules import cast
 
@@ -147,8 +155,46 @@ def _dpa(impl: str, core: Core, half: Any, q: Any, k: Any, v: Any, bias: Any, ma
     return out[:, :t]
 
 
-def attend(core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any:
-    """The attention ``core`` describes, on the program's arrays, in the P.V dot's layout."""
+#: The implementation each platform's branch runs (``"tpu"``: the TPU kernel, or the
+#: attention as written where it refuses one). Tests set ``"default"`` to ``"tpu"`` to run
+#: the TPU branch on a CPU (the kernel under ``pltpu.force_tpu_interpret_mode``).
+BRANCHES = {"cuda": "cudnn", "tpu": "tpu", "default": "xla"}
+#: While set (:func:`one_platform`), the one platform whose branch is emitted, alone.
+_ONLY: list[str] = []
+
+
+@contextlib.contextmanager
+def one_platform(platform: str) -> Iterator[None]:
+    """Emits only ``platform``'s attention (``explain``'s count of the values saved for the
+    backward pass: a ``platform_dependent``'s VJP keeps every branch's, zeros for those not
+    taken, until the program is lowered for one platform)."""
+    _ONLY.append(platform)
+    try:
+        yield
+    finally:
+        _ONLY.pop()
+
+
+def attend(
+    core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks, written: Any = None
+) -> Any:
+    """The attention ``core`` describes, on the program's arrays, in the P.V dot's layout:
+    cuDNN's on CUDA, the TPU kernel on a TPU, JAX's own elsewhere, chosen when the program
+    is lowered. ``written(q, k, v, biases, masks)``, when given, is the attention as the
+    program writes it (the rewrite's own equations): a TPU runs it instead of the kernel,
+    which refuses this attention."""
+    impls = {i: functools.partial(_fused, i, core, half, out_dtype) for i in ("xla", "tpu")}
+    if written is not None:
+        impls["tpu"] = written
+    if cudnn_traceable():
+        impls["cudnn"] = functools.partial(_fused, "cudnn", core, half, out_dtype)
+    branches = {p: impls[i] for p, i in BRANCHES.items() if i in impls}
+    if _ONLY:
+        return branches.get(_ONLY[-1], branches["default"])(q, k, v, list(biases), list(masks))
+    return lax.platform_dependent(q, k, v, list(biases), list(masks), **branches)
+
+
+def _fused(impl: str, core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any:
     half = np.dtype(half)
     q4, k4, v4 = (
         operand(x, labels, length, core.batch, group).astype(half)
@@ -162,19 +208,17 @@ def attend(core: Core, half: Any, out_dtype: Any, q, k, v, biases, masks) -> Any
     for b, x in zip(core.biases, biases, strict=True):
         term = side(jnp.asarray(x, jnp.float32), b, core) * np.float32(b.coef)
         bias = term if bias is None else bias + term
-    mask = None
+    mask, keeps = None, []
     for m, x in zip(core.masks, masks, strict=True):
         keep = side(mask_value(m, jnp.asarray(x), jnp), m, core)
         mask = keep if mask is None else mask & keep
-    args = (q4, k4, v4, bias, mask)
-    if cudnn_traceable():
-        out = lax.platform_dependent(
-            *args,
-            cuda=functools.partial(_dpa, "cudnn", core, half),
-            default=functools.partial(_dpa, "xla", core, half),
-        )
+        keeps.append((m, keep))
+    if impl == "tpu":  # masks per query (B|1, 1, T, 1), else per key (or per batch)
+        q_keep = [keep[:, 0, :, 0] for m, keep in keeps if "t" in m.dims]
+        k_keep = [keep[:, 0, 0, :] for m, keep in keeps if "t" not in m.dims]
+        out = tpu_attention.flash(core, q4, k4, v4, bias, q_keep, k_keep)
     else:
-        out = _dpa("xla", core, half, *args)
+        out = _dpa(impl, core, half, q4, k4, v4, bias, mask)
     out = _guard(core, out, v4, mask)
     b, t, n, d = out.shape
     out = jnp.swapaxes(out, 1, 2).reshape((*core.batch, core.group, t, d))
@@ -251,7 +295,7 @@ class Fusion:
             return [*f.reads(), f.g], [v for v in f.grads if v is not None]
         return [], []
 
-    def _call(self, em: Any, f: FusedAttention, read: Any):
+    def _call(self, em: Any, f: FusedAttention, env: dict[Any, Any], read: Any):
         """The fused call as a function of the inputs the program differentiates, and their
         values (the others are read here and closed over)."""
         c = f.core
@@ -262,17 +306,48 @@ class Fusion:
         atoms = [c.q, c.k, c.v, *(b.atom for b in c.biases)]
         values = [*qkv, *biases]
         where = [atoms.index(a) for a in f.diff]
+        refused = f.tpu or not tpu_attention.tpu_traceable()
+        written = self._written(em, f, out_dtype, env) if refused else None
 
         def fun(*diff):
             args = list(values)
             for i, x in zip(where, diff, strict=True):
                 args[i] = x
-            return attend(c, em.half, out_dtype, *args[:3], args[3:], masks)
+            return attend(c, em.half, out_dtype, *args[:3], args[3:], masks, written)
 
         return fun, [values[i] for i in where]
 
+    def _written(self, em: Any, f: FusedAttention, out_dtype: Any, env: dict[Any, Any]) -> Any:
+        """The attention as the program writes it: its equations run as the rewrite paints
+        them (what a TPU runs where its kernel refuses the attention; see ``attend``), in
+        the branch's own trace (no hooks: ``explain`` and ``compare`` see the fused
+        call)."""
+        c = f.core
+        atoms = [c.q, c.k, c.v, *(b.atom for b in c.biases), *(m.atom for m in c.masks)]
+
+        def written(q, k, v, biases, masks):
+            local = dict(env)  # what the equations read besides: a scalar, a causal mask
+            for atom, x in zip(atoms, [q, k, v, *biases, *masks], strict=True):
+                if not jc.is_literal(atom):
+                    local[atom] = x
+            reading = em.reader(local)
+            hooks, em.hooks = em.hooks, _QUIET
+            try:
+                with em.staging(), em.own_flags():
+                    for i in sorted(c.eqns):
+                        eqn, rec = f.scope.jaxpr.eqns[i], f.scope.eqns[i]
+                        outs = em.step(eqn, rec, reading)
+                        for var, x in zip(eqn.outvars, outs, strict=True):
+                            if not jc.is_drop_var(var):
+                                local[var] = x
+            finally:
+                em.hooks = hooks
+            return cast(local[c.o], out_dtype)
+
+        return written
+
     def _forward(self, em: Any, f: FusedAttention, env: dict[Any, Any], read: Any) -> None:
-        fun, diff = self._call(em, f, read)
+        fun, diff = self._call(em, f, env, read)
         if f.backward_at is None:
             out = fun(*diff)
         else:
@@ -283,7 +358,7 @@ class Fusion:
     def _backward(self, em: Any, f: FusedAttention, env: dict[Any, Any], read: Any) -> None:
         pullback = env.pop(("attention", f.number), None)
         if pullback is None:  # taken again (compare runs the program in stretches)
-            fun, diff = self._call(em, f, read)
+            fun, diff = self._call(em, f, env, read)
             _, pullback = jax.vjp(fun, *diff)
         out_dtype = em.target(f.scope.eqns[f.core.pv].node, f.core.o.aval.dtype)
         cts = pullback(read(f.g, out_dtype))
@@ -311,6 +386,19 @@ class Fusion:
             if rec.node is not None and len(e.outvars) == 1 and e.outvars[0] is var:
                 em.hooks.value(em, e, rec, [value])
                 return
+
+
+class _Quiet:
+    """Hooks that hear nothing (the written-out attention of a TPU branch)."""
+
+    def value(self, *args: Any) -> None:
+        pass
+
+    def cast(self, *args: Any) -> None:
+        pass
+
+
+_QUIET = _Quiet()
 
 
 def _is_f32(atom: Any) -> bool:

@@ -20,9 +20,11 @@ from jax.typing import DTypeLike
 
 from jmp_rewrite._src import rewrite as rewrite_lib
 from jmp_rewrite._src import settings as settings_lib
+from jmp_rewrite._src.emit import attention as attention_emit
 from jmp_rewrite._src.emit.emitter import Emitter, Hooks
 from jmp_rewrite._src.emit.facts import dtypes_after, equation_facts
 from jmp_rewrite._src.explain import html as explain_html
+from jmp_rewrite._src.explain import lint as explain_lint
 from jmp_rewrite._src.explain import view as explain_view
 from jmp_rewrite._src.explain.html import HALF_COLOUR, LIST_COLOURS  # noqa: F401 - re-exported
 from jmp_rewrite._src.explain.report import CastReport, EquationReport, ReportData
@@ -95,7 +97,7 @@ class Report(ReportData):
         """
         return explain_view.groups(self, by)
 
-    def lint(self) -> list[explain_view.Finding]:
+    def lint(self) -> list[explain_lint.Finding]:
         """What to change: loop carries in half precision that add to themselves (an
         accumulator the rewrite did not recognise as state), half-precision matmuls/convs
         with a contracting or output dimension that is not a multiple of 8 (tensor cores need
@@ -119,7 +121,7 @@ class Report(ReportData):
           [tensor_cores] forward dot_general f16[4,8] x f16[8,100]... not a multiple of 8 ...
               change: pad or resize: output features 100 -> 104
         """
-        return explain_view.lint(self)
+        return explain_lint.lint(self)
 
     def format(self, by: str = "scope") -> str:
         """The report as text: totals, one line per group and phase, then the lint.
@@ -145,7 +147,7 @@ class Report(ReportData):
           >>> next(row for row in text.splitlines() if row.startswith("dot_general")).split()[:4]
           ['dot_general', 'forward', '1', '100%']
         """
-        return explain_view.format_groups(self, by)
+        return explain_view.format_groups(self, by, explain_lint.lint(self))
 
     def to_html(self) -> str:
         """The report as an HTML fragment (what a notebook displays).
@@ -286,6 +288,7 @@ def _equation(
     fused = chosen.of_node(n.id) if chosen is not None else None
     if fused is not None and n.id == fused.scope.eqns[fused.core.pv].node:
         extra["attention_saved"] = fused.saved_bytes
+        extra["attention_tpu"] = fused.tpu
     if accumulates:  # a half carry adding to itself: named by its addition's line
         extra["accumulates_through"] = tuple(dict.fromkeys(a.key for a in accumulates))
     return EquationReport(
@@ -361,8 +364,9 @@ def explain(
       level: as in :func:`jmp_rewrite.rewrite`.
       infer_follows_allow: as in :func:`jmp_rewrite.rewrite` (default True).
       residuals: measure the bytes saved for the backward pass of ``fun`` (traces its VJP
-        twice). Skipped anyway when ``fun`` already contains a backward pass (a train
-        step), where the figure would describe differentiating the optimizer.
+        twice; a fused attention as the default backend runs it). Skipped anyway when
+        ``fun`` already contains a backward pass (a train step), where the figure would
+        describe differentiating the optimizer.
       fp8: as in :func:`jmp_rewrite.rewrite` (None: the rewrite's own, else off); float8
         matmuls show with their formats (``EquationReport.float8``) and the summary splits
         the FLOPs into float8 / bfloat16 / float32.
@@ -432,7 +436,8 @@ def explain(
     if not residuals or has_backward:
         return report
     before = _residual_bytes(fun, args, kwargs)
-    after = _residual_bytes(fn, args, kwargs) if before is not None else None
+    with attention_emit.one_platform(jax.default_backend()):  # this platform's attention
+        after = _residual_bytes(fn, args, kwargs) if before is not None else None
     return dataclasses.replace(
         report, residual_bytes_float32=before, residual_bytes_rewritten=after
     )

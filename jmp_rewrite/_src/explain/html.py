@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import html
 
+from jmp_rewrite._src.explain.lint import Finding, _shape, lint
 from jmp_rewrite._src.explain.report import EquationReport, ReportData
 from jmp_rewrite._src.explain.view import (
     _ABBR,
@@ -17,17 +18,14 @@ from jmp_rewrite._src.explain.view import (
     _LONG_TABLE,
     _OUTPUTS,
     _PRECISION_STYLES,
-    Finding,
     Group,
     GroupStats,
     _fmt_bytes,
     _fmt_flops,
     _pct,
     _plural,
-    _shape,
     _short_sources,
     groups,
-    lint,
     phase_totals,
 )
 from jmp_rewrite._src.trace import source_info as si

@@ -50,6 +50,9 @@ class EquationReport(EquationPaint):
       attention_saved: for the values matmul of a fused attention, the bytes of the
         intermediates (logits, probabilities, their cotangents) the fused call does not
         write, else 0.
+      attention_tpu: for the values matmul of a fused attention that JAX's TPU
+        flash-attention kernel cannot take, why (a sentence: on a TPU it runs as written),
+        else ``""``.
 
     ``scope`` here is the model scope, ``/``-separated: the Flax/Haiku module path and
     ``jax.named_scope`` names, or, for Flax NNX and Equinox (which add no names), the
@@ -72,6 +75,7 @@ class EquationReport(EquationPaint):
     float8_left: str = ""
     attention_left: str = ""
     attention_saved: int = 0
+    attention_tpu: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

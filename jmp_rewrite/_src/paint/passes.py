@@ -2,7 +2,8 @@
 
 Each pass is a function named after, and citing, the grappler pass it reproduces
 (``tensorflow/core/grappler/optimizers/auto_mixed_precision.cc``, TF 2.21). They run in TF's
-order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint.additions`) first; the
+order, with the passes jmp_rewrite adds (:mod:`jmp_rewrite._src.paint.additions`) first (but
+:mod:`jmp_rewrite._src.paint.norms`, after them, and the read/unit/big passes at the end); the
 result, a :class:`~jmp_rewrite._src.paint.painting.Painting`, records for every node whether it is
 painted half precision ("allow") and which pass decided that. No pass changes the graph.
 """
@@ -25,6 +26,7 @@ from jmp_rewrite._src.paint.additions import (
     keep_unrun_loop_carries_float32,
     release_saturated_powers,
 )
+from jmp_rewrite._src.paint.norms import compute_normalizations_float32
 from jmp_rewrite._src.paint.painting import (
     ALLOW,
     CLEAR,
@@ -216,6 +218,7 @@ def paint(
         add_infer_to_allow_if_follow_allow(g, p)
     propagate_allow_through_clear(g, p)
     remove_allow_without_float32(g, p)
+    compute_normalizations_float32(g, p)
     keep_float32_reads_unrounded(g, p)
     make_casts_allow_if_all_outputs_allow(g, p)
     inherit_unit_colours(g, p)
