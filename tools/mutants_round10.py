@@ -90,7 +90,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "settings.py",
         "    for device in devices:",
         "    for device in devices[:1]:",
-        (T_LOW, T_DT),
+        "tests/test_lowering_platforms.py::test_every_local_cuda_gpu_decides_a_cuda_lowering",
         "only the first CUDA GPU checked: on a machine whose second GPU has compute "
         "capability < 7.0 (a V100 beside a P100), dtype=None still picks float16 for a CUDA "
         "lowering, where TF's rule (every GPU >= 7.0) runs unchanged with a reason",
@@ -112,7 +112,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fp8.py",
         'if selection is not None and selection.dots and _default_platform() == "tpu":',
         'if selection is not None and _default_platform() == "tpu":',
-        (T_FP8, T_FP8B),
+        "tests/test_fp8_boundaries.py::test_on_a_tpu_a_program_that_selects_nothing_says_why_as_elsewhere",
         "the TPU reason given without a selected matmul: on a TPU a selection with no dot "
         "(each matmul left bfloat16 for its shape) says '0 matmul selected for float8, but on "
         "a TPU...' instead of the per-matmul reasons",
@@ -123,7 +123,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "loss_scale/finite.py",
         'cpu=lambda: per_leaf(cpu_method), tpu=lambda: per_leaf("elementwise"), default=default',
         "cpu=lambda: per_leaf(cpu_method), tpu=default, default=default",
-        (T_LS, T_LOW),
+        "tests/test_memory_parity.py::test_finiteness_check_per_platform",
         "the TPU branch takes the default: with whole_leaves a TPU lowering concatenates the "
         "gradients into fused reductions (a concatenate in its HLO), gathering leaves sharded "
         "over the slice onto every chip",
