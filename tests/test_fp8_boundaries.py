@@ -311,3 +311,17 @@ def test_on_a_tpu_the_warning_says_the_matmuls_run_bfloat16(monkeypatch):
     (message,) = {str(r.message) for r in record}
     assert "matmuls selected for float8, but on a TPU they run as bfloat16" in message
     assert "v5e, v5p or v6e" in message
+
+
+def test_on_a_tpu_a_program_that_selects_nothing_says_why_as_elsewhere(monkeypatch):
+    """The TPU's reason is for matmuls selected for float8; with none selected the warning
+    gives the reasons each stayed bfloat16, as on any platform."""
+    from jmp_rewrite._src import fp8 as fp8_lib
+
+    monkeypatch.setattr(fp8_lib, "_default_platform", lambda: "tpu")
+    ws, x = _small_inputs()
+    with pytest.warns(jr.Fp8NoneSelectedWarning) as record:
+        jr.rewrite(small, dtype=BF16, fp8=True)(ws, x)
+    (message,) = {str(r.message) for r in record}
+    assert "each of its 2 half-precision matmuls stays bfloat16" in message
+    assert "on a TPU" not in message and "selected for float8" not in message

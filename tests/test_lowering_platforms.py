@@ -24,6 +24,7 @@ from jaxpr_walk import lowered_prims, prims
 
 import jmp_rewrite as jr
 from jmp_rewrite._src import rewrite as rewrite_lib
+from jmp_rewrite._src import settings as settings_lib
 
 pytestmark = [
     pytest.mark.usefixtures("leak_check_only_where_asked"),
@@ -227,6 +228,25 @@ def test_a_local_cuda_gpu_below_compute_capability_7_lowers_unchanged(monkeypatc
     assert prims(closed, "platform_index")[0].params["platforms"] == (("tpu",), None)
     monkeypatch.undo()
     assert _matmul_types(_exported(fn, ["cuda"], *ARGS).mlir_module())["dot_general"] == ["f32"] * 2
+
+
+class _Gpu:
+    platform = "gpu"
+
+    def __init__(self, compute_capability: str):
+        self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize("capabilities", [("8.0", "6.1"), ("6.1", "9.0")])
+def test_every_local_cuda_gpu_decides_a_cuda_lowering(monkeypatch, capabilities):
+    """TF's rule holds for every GPU of the machine: one below compute capability 7.0, first
+    or not, makes a CUDA lowering run unchanged, and says which."""
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [_Gpu(c) for c in capabilities])
+    dtype, why = settings_lib.cuda_choice()
+    assert dtype is None and "compute capability is 6.1" in why
+    assert dict(settings_lib.lowering_dtypes())["cuda"] is None
+    monkeypatch.setattr(jax, "devices", lambda backend=None: [_Gpu("8.0"), _Gpu("9.0")])
+    assert settings_lib.cuda_choice() == (np.dtype(jnp.float16), "")
 
 
 class _Net(nnx.Module):
