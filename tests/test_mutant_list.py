@@ -27,7 +27,14 @@ def _load(name: str):
 
 
 # curated + the planted rounds
-ROUNDS = ("mutant_list", "mutants_round6", "mutants_round7", "mutants_round8", "mutants_round9")
+ROUNDS = (
+    "mutant_list",
+    "mutants_round6",
+    "mutants_round7",
+    "mutants_round8",
+    "mutants_round9",
+    "mutants_round10",
+)
 MUTANTS = tuple(m for name in ROUNDS for m in _load(name).MUTANTS)
 
 
