@@ -419,8 +419,8 @@ MUTANTS: tuple[Mutant, ...] = (
     _m(
         "emit.outputs_not_cast_back",
         "emit/emitter.py",
-        "            for a, d, b in zip(jaxpr.outvars, out_dtypes, big_out, strict=True)",
-        "            for a, d, b in zip(jaxpr.outvars, [None] * len(out_dtypes), big_out, strict=True)",
+        "            for a, d, b in zip(jaxpr.outvars, out_dtypes, scope.big_outputs, strict=True)",
+        "            for a, d, b in zip(jaxpr.outvars, [None] * len(out_dtypes), scope.big_outputs, strict=True)",
         T_REWRITE + "test_matches_float32_and_keeps_signature",
         "rewritten outputs come back in half precision",
     ),

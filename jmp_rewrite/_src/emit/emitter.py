@@ -251,10 +251,9 @@ class Emitter:
                 self.flags.adopt(env[jaxpr.outvars[i]], flag)
         if out_dtypes is None:
             return [read(a) for a in jaxpr.outvars] + flags
-        big_out = scope.big_outputs or (False,) * len(jaxpr.outvars)
         return [  # a big result cast at the boundary (a branch's, a loop body's) as inside
             read(a, d, False, not jc.is_literal(a) and (self.flags.known(env[a]) or b))
-            for a, d, b in zip(jaxpr.outvars, out_dtypes, big_out, strict=True)
+            for a, d, b in zip(jaxpr.outvars, out_dtypes, scope.big_outputs, strict=True)
         ] + flags
 
     def big_outputs(self, rec: EqnRec) -> list[int]:
